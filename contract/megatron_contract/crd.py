@@ -1,0 +1,188 @@
+"""Generate the MegatronJob CRD from the pydantic models, the single source of truth.
+
+``python -m megatron_contract.crd --write`` rewrites ``crds/`` and the chart's copy;
+``--check`` exits 1 when either differs from what the models generate (a test runs it too).
+
+Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema, so
+``$ref`` is inlined, ``Optional`` collapses to the inner type, ``int | str`` becomes
+``x-kubernetes-int-or-string``, numeric exclusive bounds take their v3.0 form, and
+``additionalProperties: false`` is dropped (the API server prunes and, with kubectl's strict
+field validation, rejects unknown fields instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_contract.job import MegatronJobSpec, MegatronJobStatus
+from megatron_contract.wire import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_FILE = f"{CRD_NAME}.yaml"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+OUTPUTS = (REPO_ROOT / "crds" / CRD_FILE, REPO_ROOT / "charts" / "megatron-operator" / "crds" / CRD_FILE)
+
+_DROP_KEYS = {"title", "examples", "$defs"}
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Coarse state of the job."},
+    {"name": "Mesh", "type": "string", "jsonPath": ".status.mesh", "description": "dp x tp x pp (x cp)."},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready/desired worker pods."},
+    {"name": "Spares", "type": "integer", "jsonPath": ".status.sparesReady", "description": "Hot spares ready."},
+    {"name": "Recoveries", "type": "integer", "jsonPath": ".status.recoveries", "description": "Plans after the first."},
+    {"name": "Epoch", "type": "integer", "jsonPath": ".status.epoch", "priority": 1, "description": "Plan epoch."},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.step", "priority": 1, "description": "Last step."},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    """Turn one pydantic JSON-Schema node into its structural OpenAPI v3.0 form."""
+    if isinstance(node, list):
+        return [_structural(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        return _structural({**target, **extra}, defs)
+    node = dict(node)
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        types = sorted(o.get("type", "") for o in options)
+        if types == ["integer", "string"]:
+            node["x-kubernetes-int-or-string"] = True
+        elif len(options) == 1:
+            node = {**options[0], **node}
+            if "$ref" in node:
+                return _structural({k: v for k, v in node.items() if k != "default" or v is not None}, defs)
+        else:
+            raise ValueError(f"cannot express anyOf {options} in a structural schema")
+        if node.get("default", 0) is None:
+            del node["default"]
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node.get(bound), bool):
+            node[plain] = node.pop(bound)
+            node[bound] = True
+    if node.get("additionalProperties") is False:
+        del node["additionalProperties"]
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP_KEYS:
+            continue
+        if key == "properties":
+            required = set(node.get("required", ()))
+            out[key] = {name: _property(name in required, sub, defs) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties"):
+            out[key] = _structural(value, defs)
+        else:
+            out[key] = value
+    return out
+
+
+def _property(required: bool, raw: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """A property; an optional nested object that is not nullable defaults to ``{}``.
+
+    Pydantic fills such fields with ``default_factory``; the API server must do the same, so
+    that nested defaults apply and CEL rules can read them.
+    """
+    prop = _structural(raw, defs)
+    if not required and "$ref" in raw and "default" not in prop and prop.get("type") == "object":
+        prop["default"] = {}
+    return prop
+
+
+def model_schema(model: type[MegatronJobSpec] | type[MegatronJobStatus]) -> dict[str, Any]:
+    """The structural OpenAPI schema of a model."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    result: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
+    return result
+
+
+def build_crd() -> dict[str, Any]:
+    """The whole CustomResourceDefinition object."""
+    spec = model_schema(MegatronJobSpec)
+    status = model_schema(MegatronJobStatus)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "annotations": {"megatron.dev/generated-by": "python -m megatron_contract.crd --write; do not edit"},
+        },
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["all"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "An elastic Megatron-Core training job that survives GPU failures in place.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec,
+                                "status": status,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def render() -> str:
+    """The CRD as YAML text, exactly as committed."""
+    header = "# Generated from contract/megatron_contract by `make crds`. Do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="write crds/ and the chart's copy")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        for path in OUTPUTS:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path.relative_to(REPO_ROOT)}")
+        return 0
+    if args.check:
+        stale = [p for p in OUTPUTS if not p.exists() or p.read_text() != text]
+        for path in stale:
+            print(f"{path.relative_to(REPO_ROOT)} differs from the models; run `make crds`", file=sys.stderr)
+        return 1 if stale else 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

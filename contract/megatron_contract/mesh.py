@@ -1,0 +1,259 @@
+"""``MeshPlan``: the one versioned document that says who trains as what.
+
+Rank order follows Megatron's default (tp fastest, then cp, dp, pp)::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+A plan is checked whole when it is parsed: ranks unique and dense, world = tp·pp·cp·dp, each
+tensor-parallel group inside one pod, batch geometry adding up to the global batch, and every
+rank's state source pointing at a rank that really holds that state. Operator and trainer parse
+the same model, so neither can act on a plan the other would call invalid.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+from pydantic import Field, model_validator
+
+from megatron_contract.base import WireModel
+from megatron_contract.wire import AGENT_PORT
+
+
+class MeshError(ValueError):
+    """A plan or mesh that breaks one of the invariants above."""
+
+
+class PlanReason(str, enum.Enum):
+    """Why a plan was made."""
+
+    INITIAL = "initial"
+    REPLACE = "replace"
+    SHRINK = "shrink"
+    GROW = "grow"
+
+
+class StateSourceKind(str, enum.Enum):
+    """Where a rank gets its model and optimizer state when it enters an epoch."""
+
+    INIT = "init"  # fresh initialization from the job's seed (first epoch, nothing saved)
+    SELF = "self"  # keeps what it holds: it was in the previous epoch with the same coordinates
+    PEER = "peer"  # broadcast from a DP peer with the same tp/cp/pp coordinates
+    CHECKPOINT = "checkpoint"  # the newest complete distributed checkpoint
+
+
+class MeshSizes(WireModel):
+    """The parallel degrees of one epoch."""
+
+    world: int = Field(ge=1, description="Number of ranks: tp*pp*cp*dp.")
+    tp: int = Field(ge=1, description="Tensor-parallel size.")
+    pp: int = Field(ge=1, description="Pipeline-parallel size.")
+    cp: int = Field(ge=1, description="Context-parallel size.")
+    dp: int = Field(ge=1, description="Data-parallel size (number of model replicas).")
+
+    @model_validator(mode="after")
+    def _world_is_product(self) -> MeshSizes:
+        if self.world != self.tp * self.pp * self.cp * self.dp:
+            raise MeshError(
+                f"world {self.world} != tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp}"
+            )
+        return self
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks in one data-parallel replica: tp*cp*pp."""
+        return self.tp * self.cp * self.pp
+
+    def rank_of(self, coords: MeshCoords) -> int:
+        """Global rank of the given coordinates (Megatron's tp-cp-dp-pp order)."""
+        for name in ("tp", "cp", "dp", "pp"):
+            if not 0 <= getattr(coords, name) < getattr(self, name):
+                raise MeshError(f"{name} coordinate {getattr(coords, name)} outside 0..{getattr(self, name) - 1}")
+        return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))
+
+    def coords_of(self, rank: int) -> MeshCoords:
+        """Coordinates of a global rank; inverse of :meth:`rank_of`."""
+        if not 0 <= rank < self.world:
+            raise MeshError(f"rank {rank} outside 0..{self.world - 1}")
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return MeshCoords(tp=tp, cp=cp, dp=dp, pp=pp)
+
+
+class MeshCoords(WireModel):
+    """A rank's position in the mesh."""
+
+    tp: int = Field(ge=0)
+    cp: int = Field(ge=0)
+    dp: int = Field(ge=0)
+    pp: int = Field(ge=0)
+
+    def model_parallel_key(self) -> tuple[int, int, int]:
+        """(tp, cp, pp): ranks sharing it hold the same shard of the model."""
+        return (self.tp, self.cp, self.pp)
+
+
+class BatchGeometry(WireModel):
+    """How the fixed global batch is split over data-parallel replicas in this epoch.
+
+    Replica ``d`` takes ``microBatchesPerReplica[d]`` micro-batches of each step; its samples are
+    the contiguous slice that starts after those of replicas ``0..d-1``. The global batch never
+    changes, so ``consumed samples = step * globalBatchSize`` whatever the data-parallel size.
+    """
+
+    global_batch_size: int = Field(ge=1, description="Samples per optimizer step, fixed for the job.")
+    micro_batch_size: int = Field(ge=1, description="Samples per micro-batch.")
+    micro_batches_per_replica: list[int] = Field(
+        min_length=1, description="Micro-batches per step of each data-parallel replica, by dp rank."
+    )
+
+    @model_validator(mode="after")
+    def _adds_up(self) -> BatchGeometry:
+        if any(n < 1 for n in self.micro_batches_per_replica):
+            raise MeshError("every replica needs at least one micro-batch per step")
+        total = sum(self.micro_batches_per_replica) * self.micro_batch_size
+        if total != self.global_batch_size:
+            raise MeshError(f"micro-batches add up to {total} samples, not the global batch {self.global_batch_size}")
+        return self
+
+    @classmethod
+    def split(cls, global_batch_size: int, micro_batch_size: int, dp: int) -> BatchGeometry:
+        """Spread the global batch over ``dp`` replicas as evenly as whole micro-batches allow."""
+        if global_batch_size % micro_batch_size:
+            raise MeshError(f"global batch {global_batch_size} is not a multiple of micro-batch {micro_batch_size}")
+        micro = global_batch_size // micro_batch_size
+        if micro < dp:
+            raise MeshError(f"{micro} micro-batches cannot feed {dp} replicas")
+        base, extra = divmod(micro, dp)
+        return cls(
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            micro_batches_per_replica=[base + (1 if d < extra else 0) for d in range(dp)],
+        )
+
+    def sample_range(self, dp_rank: int, step: int) -> range:
+        """Global sample indices that replica ``dp_rank`` consumes at ``step``."""
+        before = sum(self.micro_batches_per_replica[:dp_rank]) * self.micro_batch_size
+        start = step * self.global_batch_size + before
+        return range(start, start + self.micro_batches_per_replica[dp_rank] * self.micro_batch_size)
+
+
+class Rendezvous(WireModel):
+    """Where the ranks of an epoch meet: a TCPStore and a key prefix unique to the epoch."""
+
+    host: str = Field(min_length=1, description="Host of the TCPStore.")
+    port: int = Field(ge=1, le=65535, description="Port of the TCPStore.")
+    store_prefix: str = Field(min_length=1, description="Key prefix unique to this epoch.")
+
+    @staticmethod
+    def prefix_for(job_uid: str, epoch: int) -> str:
+        """The store prefix of an epoch; no two epochs of a job share one."""
+        return f"{job_uid}/epoch-{epoch}"
+
+
+class PlanMember(WireModel):
+    """A pod that trains in this epoch, and the global rank of each of its GPUs."""
+
+    pod: str = Field(min_length=1, description="Pod name.")
+    pod_uid: str | None = Field(default=None, description="Pod UID, to tell a re-created pod from the old one.")
+    address: str = Field(min_length=1, description="Pod IP or DNS name of its agent.")
+    agent_port: int = Field(default=AGENT_PORT, ge=1, le=65535, description="The agent's control port.")
+    ranks: list[int] = Field(min_length=1, description="Global rank of each local GPU, by local index.")
+
+
+class StateSource(WireModel):
+    """Where one rank's state comes from when it enters the epoch."""
+
+    rank: int = Field(ge=0)
+    kind: StateSourceKind
+    peer_rank: int | None = Field(default=None, ge=0, description="For kind=peer: the rank that sends.")
+    checkpoint_step: int | None = Field(default=None, ge=0, description="For kind=checkpoint: its step.")
+
+
+class MeshPlan(WireModel):
+    """Who trains as what in one epoch of a job."""
+
+    job_uid: str = Field(min_length=1, description="UID of the MegatronJob.")
+    epoch: int = Field(ge=1, description="Strictly increasing; agents refuse a plan not newer than theirs.")
+    reason: PlanReason
+    sizes: MeshSizes
+    gpus_per_pod: int = Field(ge=1)
+    batch: BatchGeometry
+    rendezvous: Rendezvous
+    members: list[PlanMember] = Field(min_length=1)
+    resume_step: int = Field(ge=0, description="The step training continues from (the first not yet done).")
+    state_sources: list[StateSource] = Field(min_length=1, description="One entry per rank.")
+    created_at: datetime | None = None
+
+    @model_validator(mode="after")
+    def _valid_mesh(self) -> MeshPlan:
+        sizes = self.sizes
+        if self.gpus_per_pod % sizes.tp:
+            raise MeshError(f"gpusPerPod {self.gpus_per_pod} is not a multiple of tp {sizes.tp}")
+        if len(self.batch.micro_batches_per_replica) != sizes.dp:
+            raise MeshError(
+                f"batch is split over {len(self.batch.micro_batches_per_replica)} replicas, mesh has dp={sizes.dp}"
+            )
+        pod_of: dict[int, str] = {}
+        for member in self.members:
+            if len(member.ranks) != self.gpus_per_pod:
+                raise MeshError(f"pod {member.pod} has {len(member.ranks)} ranks, gpusPerPod is {self.gpus_per_pod}")
+            for rank in member.ranks:
+                if rank in pod_of:
+                    raise MeshError(f"rank {rank} is given to both {pod_of[rank]} and {member.pod}")
+                pod_of[rank] = member.pod
+        if len({m.pod for m in self.members}) != len(self.members):
+            raise MeshError("a pod appears twice among the members")
+        if sorted(pod_of) != list(range(sizes.world)):
+            raise MeshError(f"ranks are not exactly 0..{sizes.world - 1}")
+        for rank, pod in pod_of.items():
+            # tp is the fastest dimension, so a TP group is the block of tp consecutive ranks.
+            first = rank - rank % sizes.tp
+            if pod_of[first] != pod:
+                raise MeshError(f"tensor-parallel group of rank {rank} spans pods {pod_of[first]} and {pod}")
+        self._check_state_sources()
+        return self
+
+    def _check_state_sources(self) -> None:
+        by_rank = {s.rank: s for s in self.state_sources}
+        if len(by_rank) != len(self.state_sources) or sorted(by_rank) != list(range(self.sizes.world)):
+            raise MeshError("stateSources must name every rank exactly once")
+        for src in self.state_sources:
+            if src.kind is StateSourceKind.PEER:
+                if src.peer_rank is None or src.peer_rank not in by_rank:
+                    raise MeshError(f"rank {src.rank}: peer source without a valid peerRank")
+                peer = by_rank[src.peer_rank]
+                if peer.kind is not StateSourceKind.SELF:
+                    raise MeshError(f"rank {src.rank}: peer {src.peer_rank} does not hold its state (it is {peer.kind.value})")
+                mine, theirs = self.sizes.coords_of(src.rank), self.sizes.coords_of(src.peer_rank)
+                if mine.model_parallel_key() != theirs.model_parallel_key():
+                    raise MeshError(f"rank {src.rank}: peer {src.peer_rank} holds another model shard")
+            elif src.kind is StateSourceKind.CHECKPOINT and src.checkpoint_step is None:
+                raise MeshError(f"rank {src.rank}: checkpoint source without checkpointStep")
+
+    # -- queries used by both sides -------------------------------------------------------------
+
+    def member(self, pod: str) -> PlanMember | None:
+        """The member entry of a pod, or None when the pod does not train in this epoch."""
+        return next((m for m in self.members if m.pod == pod), None)
+
+    def source_of(self, rank: int) -> StateSource:
+        """The state source of a rank."""
+        return next(s for s in self.state_sources if s.rank == rank)
+
+    def pod_of_rank(self) -> dict[int, str]:
+        """Map from global rank to pod name."""
+        return {rank: m.pod for m in self.members for rank in m.ranks}
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed before ``resume_step`` (the global batch never changes)."""
+        return self.resume_step * self.batch.global_batch_size
+
+    @property
+    def mesh_label(self) -> str:
+        """``dp x tp x pp`` (and ``x cp`` when cp > 1), as printed by ``kubectl get``."""
+        s = self.sizes
+        return f"{s.dp}x{s.tp}x{s.pp}" + (f"x{s.cp}" if s.cp > 1 else "")

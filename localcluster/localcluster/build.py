@@ -1,0 +1,147 @@
+"""Build the pinned control-plane binaries from their Go modules, once, into a cache.
+
+Each component is built in a scratch Go module outside the clone. kube-apiserver and friends
+live in ``k8s.io/kubernetes``, whose go.mod points its staging modules (``k8s.io/api``, ...) at
+``./staging``; module zips leave those out, so the scratch module pins each one to its published
+``v0.X.Y`` with ``replace`` lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ENV_CACHE_DIR = "MEGATRON_OPERATOR_CACHE"
+
+KUBERNETES_VERSION = "v1.33.13"
+ETCD_VERSION = "v3.5.35"
+KWOK_VERSION = "v0.7.0"
+
+#: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
+_STAGING_MODULES = (
+    "api apiextensions-apiserver apimachinery apiserver cli-runtime client-go cloud-provider "
+    "cluster-bootstrap code-generator component-base component-helpers controller-manager "
+    "cri-api cri-client csi-translation-lib dynamic-resource-allocation endpointslice externaljwt "
+    "kms kube-aggregator kube-controller-manager kube-proxy kube-scheduler kubectl kubelet metrics "
+    "mount-utils pod-security-admission sample-apiserver sample-cli-plugin sample-controller"
+).split()
+
+
+class BuildError(RuntimeError):
+    """A component could not be built; the message carries the tail of the Go output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One binary: where its main package lives and which module pins it."""
+
+    name: str
+    module: str
+    version: str
+    package: str
+
+    def go_mod(self) -> str:
+        lines = [f"module scratch/{self.name}", "", "go 1.24.0", "", f"require {self.module} {self.version}"]
+        if self.module == "k8s.io/kubernetes":
+            staging_version = "v0." + self.version.removeprefix("v1.")
+            lines.append("")
+            lines += [f"replace k8s.io/{m} => k8s.io/{m} {staging_version}" for m in _STAGING_MODULES]
+        return "\n".join(lines) + "\n"
+
+
+def _k8s(name: str) -> Component:
+    return Component(name, "k8s.io/kubernetes", KUBERNETES_VERSION, f"k8s.io/kubernetes/cmd/{name}")
+
+
+CONTROL_PLANE = (
+    Component("etcd", "go.etcd.io/etcd/server/v3", ETCD_VERSION, "go.etcd.io/etcd/server/v3"),
+    _k8s("kube-apiserver"),
+    _k8s("kube-scheduler"),
+    _k8s("kube-controller-manager"),
+)
+KWOK = Component("kwok", "sigs.k8s.io/kwok", KWOK_VERSION, "sigs.k8s.io/kwok/cmd/kwok")
+ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK)}
+
+
+def cache_dir() -> Path:
+    """The cache root, outside the clone: ``$MEGATRON_OPERATOR_CACHE`` or ``~/.cache/megatron-operator``."""
+    return Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "megatron-operator")
+
+
+def binary_path(component: Component) -> Path:
+    return cache_dir() / "bin" / f"{component.name}-{component.version}"
+
+
+def _log(msg: str) -> None:
+    print(f"[localcluster] {msg}", file=sys.stderr, flush=True)
+
+
+def build(component: Component) -> Path:
+    """Return the cached binary for ``component``, building it first if needed.
+
+    Raises:
+        BuildError: ``go`` is missing or the build failed.
+    """
+    target = binary_path(component)
+    if target.exists():
+        return target
+    go = shutil.which("go")
+    if go is None:
+        raise BuildError("the Go toolchain ('go') is not on PATH; it is needed once to build " + component.name)
+    work = cache_dir() / "gomod" / f"{component.name}-{component.version}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "go.mod").write_text(component.go_mod())
+    (work / "tools.go").write_text(f'//go:build tools\n\npackage tools\n\nimport _ "{component.package}"\n')
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
+    steps = [
+        ("resolving modules", [go, "mod", "tidy"]),
+        ("compiling", [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), component.package]),
+    ]
+    for what, cmd in steps:
+        _log(f"{component.name} {component.version}: {what} (first run only; minutes on 2 cores)")
+        _run_with_progress(cmd, work, env, component.name)
+    partial.rename(target)
+    _log(f"{component.name}: built {target}")
+    return target
+
+
+def _run_with_progress(cmd: list[str], cwd: Path, env: dict[str, str], name: str) -> None:
+    start = time.monotonic()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(30):
+            _log(f"{name}: still building ({time.monotonic() - start:.0f} s)")
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    finally:
+        done.set()
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise BuildError(f"building {name} failed ({' '.join(cmd[:3])} exited {proc.returncode}):\n{tail}")
+
+
+def build_all(names: list[str] | None = None) -> dict[str, Path]:
+    """Build (or find cached) every named component; all control-plane parts by default."""
+    chosen = [ALL[n] for n in names] if names else list(CONTROL_PLANE)
+    return {c.name: build(c) for c in chosen}
+
+
+if __name__ == "__main__":
+    try:
+        for name, path in build_all(sys.argv[1:] or None).items():
+            print(f"{name}\t{path}")
+    except BuildError as err:
+        _log(str(err))
+        sys.exit(1)
