@@ -52,3 +52,7 @@ ENV_OPERATOR_URL = "MEGATRON_OPERATOR_URL"
 ENV_GPUS_PER_POD = "MEGATRON_GPUS_PER_POD"
 ENV_JOB_SPEC = "MEGATRON_JOB_SPEC"  # the spec's model/training/checkpoint sections as JSON
 ENV_HEARTBEAT_INTERVAL = "MEGATRON_HEARTBEAT_INTERVAL_SECONDS"
+
+# Every agent hosts a TCPStore server on RENDEZVOUS_PORT at its pod address (the agent outlives its
+# workers; a worker must never host the store, see shared/FACTS.md). A plan names the store of a
+# surviving member pod; the epoch's keys live under MeshPlan.rendezvous.storePrefix.

@@ -1,0 +1,123 @@
+"""The agent <-> worker channel: one socketpair per worker, newline-delimited JSON messages.
+
+Each worker has its own channel (a worker killed mid-write must not jam the others, see
+shared/FACTS.md); EOF on the agent's end means the worker died. The agent passes the worker's end
+with ``subprocess.Popen(pass_fds=...)`` and ``--channel-fd N``. torch-free: the agent imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from megatron_contract.base import WireModel
+from megatron_contract.mesh import MeshPlan
+
+# -- agent -> worker ---------------------------------------------------------------------------
+
+
+class Assign(WireModel):
+    """A new plan. The worker finds its rank as ``plan.member(pod).ranks[local_rank]``; a worker
+    whose pod is not a member releases every process group and waits as a spare."""
+
+    type: Literal["assign"] = "assign"
+    plan: MeshPlan
+    pod: str
+
+
+class Shutdown(WireModel):
+    """Finish cleanly (job done or pod deleted)."""
+
+    type: Literal["shutdown"] = "shutdown"
+    reason: str = ""
+
+
+# -- worker -> agent ---------------------------------------------------------------------------
+
+
+class Hello(WireModel):
+    """Imports done, model built (and CUDA context created on GPU): ready to be assigned."""
+
+    type: Literal["hello"] = "hello"
+    local_rank: int
+    pid: int
+
+
+class WorkerStatus(WireModel):
+    """Lifecycle change: spare, training, reconfiguring, succeeded, failed."""
+
+    type: Literal["status"] = "status"
+    state: Literal["spare", "training", "reconfiguring", "succeeded", "failed"]
+    epoch: int = 0
+    detail: str = ""
+
+
+class Progress(WireModel):
+    """Sent after every completed step; also the worker's liveness signal."""
+
+    type: Literal["progress"] = "progress"
+    epoch: int
+    step: int  # steps completed so far
+    consumed_samples: int
+    loss: float
+    step_time_seconds: float
+    tokens_per_second: float
+
+
+class PhaseTimes(WireModel):
+    """Durations of one reconfiguration, in seconds (detect, abort, rendezvous, restore, first_step)."""
+
+    type: Literal["phases"] = "phases"
+    epoch: int
+    phases: dict[str, float]
+
+
+class CollectiveFailed(WireModel):
+    """A collective with a peer failed or hung; the agent forwards it to the operator."""
+
+    type: Literal["collective_failed"] = "collective_failed"
+    epoch: int
+    peer_rank: int | None = None
+    reason: str
+
+
+ToWorker = Annotated[Assign | Shutdown, Field(discriminator="type")]
+ToAgent = Annotated[Hello | WorkerStatus | Progress | PhaseTimes | CollectiveFailed, Field(discriminator="type")]
+_TO_WORKER: TypeAdapter[ToWorker] = TypeAdapter(ToWorker)
+_TO_AGENT: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
+
+
+class Channel:
+    """One end of a socketpair carrying JSON lines. Not thread-safe for concurrent senders."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._reader = sock.makefile("r", encoding="utf-8")
+
+    @classmethod
+    def from_fd(cls, fd: int) -> Channel:
+        return cls(socket.socket(fileno=fd))
+
+    def send(self, message: WireModel) -> None:
+        self.sock.sendall((json.dumps(message.to_wire()) + "\n").encode())
+
+    def _line(self) -> str | None:
+        line = self._reader.readline()
+        return line or None  # '' is EOF: the other end is gone
+
+    def recv_to_worker(self) -> ToWorker | None:
+        """Next message for a worker, or None at EOF (the agent died)."""
+        line = self._line()
+        return None if line is None else _TO_WORKER.validate_json(line)
+
+    def recv_to_agent(self) -> ToAgent | None:
+        """Next message from a worker, or None at EOF (the worker died)."""
+        line = self._line()
+        return None if line is None else _TO_AGENT.validate_json(line)
+
+    def close(self) -> None:
+        self._reader.close()
+        self.sock.close()
