@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, NoDefault
+from pydantic_core import core_schema
 
 from megatron_contract.job import MegatronJobSpec, MegatronJobStatus
 from megatron_contract.wire import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
@@ -79,8 +82,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         if key in _DROP_KEYS:
             continue
         if key == "properties":
-            required = set(node.get("required", ()))
-            out[key] = {name: _property(name in required, sub, defs) for name, sub in value.items()}
+            out[key] = {name: _structural(sub, defs) for name, sub in value.items()}
         elif key in ("items", "additionalProperties"):
             out[key] = _structural(value, defs)
         else:
@@ -88,21 +90,26 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
-def _property(required: bool, raw: dict[str, Any], defs: dict[str, Any]) -> Any:
-    """A property; an optional nested object that is not nullable defaults to ``{}``.
+class _WithFactoryDefaults(GenerateJsonSchema):
+    """Emit the value of ``default_factory`` fields as their default.
 
-    Pydantic fills such fields with ``default_factory``; the API server must do the same, so
-    that nested defaults apply and CEL rules can read them.
+    Pydantic fills nested objects (``model``, ``training``, ...) from factories; the API server
+    must default them the same way, whole, so that CEL rules can read every field.
     """
-    prop = _structural(raw, defs)
-    if not required and "$ref" in raw and "default" not in prop and prop.get("type") == "object":
-        prop["default"] = {}
-    return prop
+
+    def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
+        factory = schema.get("default_factory")
+        if factory is None or schema.get("default_factory_takes_data"):
+            return super().get_default_value(schema)
+        value = factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):
+            return value.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return value if value is not None else NoDefault
 
 
 def model_schema(model: type[MegatronJobSpec] | type[MegatronJobStatus]) -> dict[str, Any]:
     """The structural OpenAPI schema of a model."""
-    raw = model.model_json_schema(by_alias=True, mode="validation")
+    raw = model.model_json_schema(by_alias=True, mode="validation", schema_generator=_WithFactoryDefaults)
     result: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
     return result
 

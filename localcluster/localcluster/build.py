@@ -24,13 +24,7 @@ ETCD_VERSION = "v3.5.35"
 KWOK_VERSION = "v0.7.0"
 
 #: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
-_STAGING_MODULES = (
-    "api apiextensions-apiserver apimachinery apiserver cli-runtime client-go cloud-provider "
-    "cluster-bootstrap code-generator component-base component-helpers controller-manager "
-    "cri-api cri-client csi-translation-lib dynamic-resource-allocation endpointslice externaljwt "
-    "kms kube-aggregator kube-controller-manager kube-proxy kube-scheduler kubectl kubelet metrics "
-    "mount-utils pod-security-admission sample-apiserver sample-cli-plugin sample-controller"
-).split()
+_STAGING_MODULES = ["api", "apiextensions-apiserver", "apimachinery", "apiserver", "cli-runtime", "client-go", "cloud-provider", "cluster-bootstrap", "code-generator", "component-base", "component-helpers", "controller-manager", "cri-api", "cri-client", "csi-translation-lib", "dynamic-resource-allocation", "endpointslice", "externaljwt", "kms", "kube-aggregator", "kube-controller-manager", "kube-proxy", "kube-scheduler", "kubectl", "kubelet", "metrics", "mount-utils", "pod-security-admission", "sample-apiserver", "sample-cli-plugin", "sample-controller"]
 
 
 class BuildError(RuntimeError):
@@ -45,6 +39,21 @@ class Component:
     module: str
     version: str
     package: str
+
+    def ldflags(self) -> str:
+        """Strip symbols; stamp k8s binaries with their version (a module build leaves v0.0.0,
+        which breaks the compatibility-version checks of 1.31+ components)."""
+        flags = ["-s", "-w"]
+        if self.module == "k8s.io/kubernetes":
+            major, minor = self.version.removeprefix("v").split(".")[:2]
+            for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+                flags += [
+                    f"-X {pkg}.gitVersion={self.version}",
+                    f"-X {pkg}.gitMajor={major}",
+                    f"-X {pkg}.gitMinor={minor}",
+                    f"-X {pkg}.gitTreeState=clean",
+                ]
+        return " ".join(flags)
 
     def go_mod(self) -> str:
         lines = [f"module scratch/{self.name}", "", "go 1.24.0", "", f"require {self.module} {self.version}"]
@@ -103,7 +112,7 @@ def build(component: Component) -> Path:
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
     steps = [
         ("resolving modules", [go, "mod", "tidy"]),
-        ("compiling", [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(partial), component.package]),
+        ("compiling", [go, "build", "-trimpath", f"-ldflags={component.ldflags()}", "-o", str(partial), component.package]),
     ]
     for what, cmd in steps:
         _log(f"{component.name} {component.version}: {what} (first run only; minutes on 2 cores)")

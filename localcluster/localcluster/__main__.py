@@ -1,0 +1,3 @@
+from localcluster.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Shared fixtures: the real local control plane and per-test namespaces.
+
+``local_cluster`` starts etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok
+on loopback once per test session (the binaries are built on first use and cached outside the
+clone), installs the CRDs from ``crds/`` and registers four fake GPU nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from localcluster.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    cluster = LocalCluster()
+    cluster.start()
+    try:
+        cluster.install_crds()
+        cluster.add_gpu_nodes(4, gpus_per_node=8)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(local_cluster: LocalCluster) -> Path:
+    return local_cluster.kubeconfig
+
+
+@pytest.fixture
+def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace, deleted (without waiting) after the test."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    status, body = local_cluster.request(
+        "POST", "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {"test": request.node.name[:63]}}},
+    )
+    assert status == 201, f"could not create namespace {name}: {status} {json.dumps(body)[:500]}"
+    yield name
+    local_cluster.request("DELETE", f"/api/v1/namespaces/{name}")
