@@ -39,8 +39,13 @@ def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> It
     """A fresh namespace, deleted (without waiting) after the test."""
     name = f"t-{uuid.uuid4().hex[:8]}"
     status, body = local_cluster.request(
-        "POST", "/api/v1/namespaces",
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {"test": request.node.name[:63]}}},
+        "POST",
+        "/api/v1/namespaces",
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": name, "labels": {"test": request.node.name[:63]}},
+        },
     )
     assert status == 201, f"could not create namespace {name}: {status} {json.dumps(body)[:500]}"
     yield name

@@ -10,7 +10,7 @@ from pydantic import Field
 from megatron_contract.base import WireModel
 
 
-class AgentState(str, enum.Enum):
+class AgentState(enum.StrEnum):
     """Lifecycle of a pod's agent as seen from outside."""
 
     STARTING = "starting"  # importing, building the model

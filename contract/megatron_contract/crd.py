@@ -38,7 +38,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Mesh", "type": "string", "jsonPath": ".status.mesh", "description": "dp x tp x pp (x cp)."},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready/desired worker pods."},
     {"name": "Spares", "type": "integer", "jsonPath": ".status.sparesReady", "description": "Hot spares ready."},
-    {"name": "Recoveries", "type": "integer", "jsonPath": ".status.recoveries", "description": "Plans after the first."},
+    {
+        "name": "Recoveries",
+        "type": "integer",
+        "jsonPath": ".status.recoveries",
+        "description": "Plans after the first.",
+    },
     {"name": "Epoch", "type": "integer", "jsonPath": ".status.epoch", "priority": 1, "description": "Plan epoch."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "priority": 1, "description": "Last step."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -17,7 +17,6 @@ from pydantic import ConfigDict, Field, model_validator
 
 from megatron_contract.base import WireModel
 from megatron_contract.mesh import MeshPlan
-from megatron_contract.wire import API_VERSION, KIND
 
 
 def _immutable(name: str) -> dict[str, Any]:
@@ -35,7 +34,7 @@ class ModelSpec(WireModel):
     vocab_size: int = Field(default=1024, ge=16, le=1048576, description="Vocabulary size.")
 
 
-class Precision(str, enum.Enum):
+class Precision(enum.StrEnum):
     """Parameter and compute precision on GPU; CPU runs always use fp32."""
 
     FP32 = "fp32"
@@ -133,15 +132,22 @@ SPEC_RULES: tuple[SpecRule, ...] = (
     ),
     SpecRule(
         "(self.tp * self.pp * self.cp) % self.gpusPerPod == 0 || self.gpusPerPod % (self.tp * self.pp * self.cp) == 0",
-        "spec.gpusPerPod must divide tp*pp*cp or be a multiple of it, so that pods hold whole replicas or whole slices of one",
+        "spec.gpusPerPod must divide tp*pp*cp or be a multiple of it, "
+        "so that pods hold whole replicas or whole slices of one",
         lambda s: _model_parallel(s) % s.gpus_per_pod == 0 or s.gpus_per_pod % _model_parallel(s) == 0,
     ),
     SpecRule(
-        "self.gpusPerPod <= (self.tp * self.pp * self.cp) || (self.replicas % (self.gpusPerPod / (self.tp * self.pp * self.cp)) == 0 && self.minReplicas % (self.gpusPerPod / (self.tp * self.pp * self.cp)) == 0)",
+        "self.gpusPerPod <= (self.tp * self.pp * self.cp) || ("
+        "self.replicas % (self.gpusPerPod / (self.tp * self.pp * self.cp)) == 0 && "
+        "self.minReplicas % (self.gpusPerPod / (self.tp * self.pp * self.cp)) == 0)",
         "spec.replicas and spec.minReplicas must be multiples of the replicas one pod holds (gpusPerPod / (tp*pp*cp))",
-        lambda s: s.gpus_per_pod <= _model_parallel(s)
-        or (s.replicas % (s.gpus_per_pod // _model_parallel(s)) == 0
-            and s.min_replicas % (s.gpus_per_pod // _model_parallel(s)) == 0),
+        lambda s: (
+            s.gpus_per_pod <= _model_parallel(s)
+            or (
+                s.replicas % (s.gpus_per_pod // _model_parallel(s)) == 0
+                and s.min_replicas % (s.gpus_per_pod // _model_parallel(s)) == 0
+            )
+        ),
     ),
     SpecRule(
         "self.model.numAttentionHeads % self.tp == 0",
@@ -190,7 +196,9 @@ class MegatronJobSpec(WireModel):
         default=1, ge=1, le=16, description="GPUs (ranks) per pod.", json_schema_extra=_immutable("gpusPerPod")
     )
     replicas: int = Field(ge=1, le=65536, description="Desired data-parallel size.")
-    min_replicas: int = Field(default=1, ge=1, le=65536, description="Smallest data-parallel size the job may shrink to.")
+    min_replicas: int = Field(
+        default=1, ge=1, le=65536, description="Smallest data-parallel size the job may shrink to."
+    )
     spares: int = Field(default=0, ge=0, le=4096, description="Hot-spare pods kept warm to replace failed ones.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources besides GPUs.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of trainer pods.")
@@ -234,7 +242,7 @@ class MegatronJobSpec(WireModel):
         return self.replicas * self.model_parallel // self.gpus_per_pod
 
 
-class JobPhase(str, enum.Enum):
+class JobPhase(enum.StrEnum):
     """Coarse state of a job, for ``kubectl get``."""
 
     PENDING = "Pending"
@@ -246,7 +254,7 @@ class JobPhase(str, enum.Enum):
     FAILED = "Failed"
 
 
-class ConditionType(str, enum.Enum):
+class ConditionType(enum.StrEnum):
     """Condition types of a job's status."""
 
     READY = "Ready"
@@ -303,8 +311,8 @@ class MegatronJobStatus(WireModel):
 class MegatronJob(WireModel):
     """A whole MegatronJob object as read from the API server."""
 
-    api_version: Literal["megatron.dev/v1alpha1"] = Field(default=API_VERSION)
-    kind: Literal["MegatronJob"] = Field(default=KIND)
+    api_version: Literal["megatron.dev/v1alpha1"] = "megatron.dev/v1alpha1"
+    kind: Literal["MegatronJob"] = "MegatronJob"
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: MegatronJobSpec
     status: MegatronJobStatus | None = None

@@ -25,7 +25,7 @@ class MeshError(ValueError):
     """A plan or mesh that breaks one of the invariants above."""
 
 
-class PlanReason(str, enum.Enum):
+class PlanReason(enum.StrEnum):
     """Why a plan was made."""
 
     INITIAL = "initial"
@@ -34,7 +34,7 @@ class PlanReason(str, enum.Enum):
     GROW = "grow"
 
 
-class StateSourceKind(str, enum.Enum):
+class StateSourceKind(enum.StrEnum):
     """Where a rank gets its model and optimizer state when it enters an epoch."""
 
     INIT = "init"  # fresh initialization from the job's seed (first epoch, nothing saved)
@@ -55,9 +55,7 @@ class MeshSizes(WireModel):
     @model_validator(mode="after")
     def _world_is_product(self) -> MeshSizes:
         if self.world != self.tp * self.pp * self.cp * self.dp:
-            raise MeshError(
-                f"world {self.world} != tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp}"
-            )
+            raise MeshError(f"world {self.world} != tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp}")
         return self
 
     @property
@@ -226,7 +224,9 @@ class MeshPlan(WireModel):
                     raise MeshError(f"rank {src.rank}: peer source without a valid peerRank")
                 peer = by_rank[src.peer_rank]
                 if peer.kind is not StateSourceKind.SELF:
-                    raise MeshError(f"rank {src.rank}: peer {src.peer_rank} does not hold its state (it is {peer.kind.value})")
+                    raise MeshError(
+                        f"rank {src.rank}: peer {src.peer_rank} does not hold its state (it is {peer.kind.value})"
+                    )
                 mine, theirs = self.sizes.coords_of(src.rank), self.sizes.coords_of(src.peer_rank)
                 if mine.model_parallel_key() != theirs.model_parallel_key():
                     raise MeshError(f"rank {src.rank}: peer {src.peer_rank} holds another model shard")

@@ -24,7 +24,39 @@ ETCD_VERSION = "v3.5.35"
 KWOK_VERSION = "v0.7.0"
 
 #: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
-_STAGING_MODULES = ["api", "apiextensions-apiserver", "apimachinery", "apiserver", "cli-runtime", "client-go", "cloud-provider", "cluster-bootstrap", "code-generator", "component-base", "component-helpers", "controller-manager", "cri-api", "cri-client", "csi-translation-lib", "dynamic-resource-allocation", "endpointslice", "externaljwt", "kms", "kube-aggregator", "kube-controller-manager", "kube-proxy", "kube-scheduler", "kubectl", "kubelet", "metrics", "mount-utils", "pod-security-admission", "sample-apiserver", "sample-cli-plugin", "sample-controller"]
+_STAGING_MODULES = [
+    "api",
+    "apiextensions-apiserver",
+    "apimachinery",
+    "apiserver",
+    "cli-runtime",
+    "client-go",
+    "cloud-provider",
+    "cluster-bootstrap",
+    "code-generator",
+    "component-base",
+    "component-helpers",
+    "controller-manager",
+    "cri-api",
+    "cri-client",
+    "csi-translation-lib",
+    "dynamic-resource-allocation",
+    "endpointslice",
+    "externaljwt",
+    "kms",
+    "kube-aggregator",
+    "kube-controller-manager",
+    "kube-proxy",
+    "kube-scheduler",
+    "kubectl",
+    "kubelet",
+    "metrics",
+    "mount-utils",
+    "pod-security-admission",
+    "sample-apiserver",
+    "sample-cli-plugin",
+    "sample-controller",
+]
 
 
 class BuildError(RuntimeError):
@@ -112,7 +144,10 @@ def build(component: Component) -> Path:
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
     steps = [
         ("resolving modules", [go, "mod", "tidy"]),
-        ("compiling", [go, "build", "-trimpath", f"-ldflags={component.ldflags()}", "-o", str(partial), component.package]),
+        (
+            "compiling",
+            [go, "build", "-trimpath", f"-ldflags={component.ldflags()}", "-o", str(partial), component.package],
+        ),
     ]
     for what, cmd in steps:
         _log(f"{component.name} {component.version}: {what} (first run only; minutes on 2 cores)")

@@ -68,15 +68,42 @@ def generate(directory: Path, days: int = 30) -> Certs:
     directory.mkdir(parents=True, exist_ok=True)
     c = Certs(directory)
     d = str(days)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", c.ca_key.name, "-out", c.ca_crt.name,
-             "-days", d, "-subj", "/CN=megatron-localcluster-ca", cwd=directory)
-    san = "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        c.ca_key.name,
+        "-out",
+        c.ca_crt.name,
+        "-days",
+        d,
+        "-subj",
+        "/CN=megatron-localcluster-ca",
+        cwd=directory,
+    )
+    san = "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost," + ",".join(
+        f"DNS:{n}" for n in ("kubernetes", "kubernetes.default", "kubernetes.default.svc")
+    )
     for name, subj, ext in (
         ("apiserver", "/CN=kube-apiserver", san),
         ("admin", "/O=system:masters/CN=megatron-localcluster-admin", "extendedKeyUsage=clientAuth"),
     ):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", subj, cwd=directory)
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            subj,
+            cwd=directory,
+        )
         _sign(directory, c, name, ext, d)
     _openssl("genrsa", "-out", c.sa_key.name, "2048", cwd=directory)
     _openssl("rsa", "-in", c.sa_key.name, "-pubout", "-out", c.sa_pub.name, cwd=directory)
@@ -86,5 +113,21 @@ def generate(directory: Path, days: int = 30) -> Certs:
 def _sign(directory: Path, c: Certs, name: str, ext: str, days: str) -> None:
     ext_file = directory / f"{name}.ext"
     ext_file.write_text(ext + "\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", c.ca_crt.name, "-CAkey", c.ca_key.name,
-             "-CAcreateserial", "-out", f"{name}.crt", "-days", days, "-extfile", ext_file.name, cwd=directory)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        c.ca_crt.name,
+        "-CAkey",
+        c.ca_key.name,
+        "-CAcreateserial",
+        "-out",
+        f"{name}.crt",
+        "-days",
+        days,
+        "-extfile",
+        ext_file.name,
+        cwd=directory,
+    )

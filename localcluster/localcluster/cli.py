@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}\t{path}")
         elif args.command == "up":
             if (args.dir / STATE_FILE).exists():
-                print(f"a control plane from {args.dir} is already up; `python -m localcluster down` first",
-                      file=sys.stderr)
+                print(
+                    f"a control plane from {args.dir} is already up; `python -m localcluster down` first",
+                    file=sys.stderr,
+                )
                 return 1
             cluster = LocalCluster(args.dir.resolve(), apiserver_port=args.port)
             cluster.start()

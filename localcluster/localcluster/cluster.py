@@ -137,7 +137,9 @@ class LocalCluster:
             self.stop()
             raise
         self._save_state()
-        _log(f"control plane ready at {self.server} in {time.monotonic() - started:.1f} s; kubeconfig {self.kubeconfig}")
+        _log(
+            f"control plane ready at {self.server} in {time.monotonic() - started:.1f} s; kubeconfig {self.kubeconfig}"
+        )
         return self
 
     def stop(self) -> None:
@@ -159,8 +161,14 @@ class LocalCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = self.log_path(name).open("ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=self.workdir)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.workdir,
+        )
         log.close()
         self.procs[name] = proc
         return proc
@@ -179,56 +187,102 @@ class LocalCluster:
     def _start_etcd(self, binary: Path) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        self._spawn("etcd", [
-            str(binary), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
-            f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=default=http://127.0.0.1:{peer}",
-            "--unsafe-no-fsync",  # a throwaway store; fsync only slows tests down
-            "--log-level=warn",
-        ])
+        self._spawn(
+            "etcd",
+            [
+                str(binary),
+                "--name=default",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=default=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",  # a throwaway store; fsync only slows tests down
+                "--log-level=warn",
+            ],
+        )
         self._wait(lambda: _http_ok(f"{self.etcd_url}/health"), "etcd", 30)
 
     def _start_apiserver(self, binary: Path, timeout: float) -> None:
         c = self._pki()
-        self._spawn("kube-apiserver", [
-            str(binary), f"--etcd-servers={self.etcd_url}", "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
-            f"--cert-dir={self.workdir / 'pki'}", f"--tls-cert-file={c.apiserver_crt}",
-            f"--tls-private-key-file={c.apiserver_key}", f"--client-ca-file={c.ca_crt}",
-            f"--service-account-key-file={c.sa_pub}", f"--service-account-signing-key-file={c.sa_key}",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=RBAC",
-            "--allow-privileged=true", "--enable-priority-and-fairness=false", "--v=1",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(binary),
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.apiserver_port}",
+                f"--cert-dir={self.workdir / 'pki'}",
+                f"--tls-cert-file={c.apiserver_crt}",
+                f"--tls-private-key-file={c.apiserver_key}",
+                f"--client-ca-file={c.ca_crt}",
+                f"--service-account-key-file={c.sa_pub}",
+                f"--service-account-signing-key-file={c.sa_key}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--v=1",
+            ],
+        )
         self._wait(lambda: self._api_ok("/readyz"), "kube-apiserver", timeout)
 
     def _start_controller_manager(self, binary: Path) -> None:
         c = self._pki()
-        self._spawn("kube-controller-manager", [
-            str(binary), f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--secure-port=0",
-            f"--service-account-private-key-file={c.sa_key}", f"--root-ca-file={c.ca_crt}",
-            "--use-service-account-credentials=false", f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--controllers=*,-nodeipam", "--v=1",
-        ])
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(binary),
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                f"--service-account-private-key-file={c.sa_key}",
+                f"--root-ca-file={c.ca_crt}",
+                "--use-service-account-credentials=false",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--controllers=*,-nodeipam",
+                "--v=1",
+            ],
+        )
 
     def _start_scheduler(self, binary: Path) -> None:
-        self._spawn("kube-scheduler", [
-            str(binary), f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--secure-port=0", "--v=1",
-        ])
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(binary),
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--v=1",
+            ],
+        )
 
     def _start_kwok(self, binary: Path) -> None:
-        self._spawn("kwok", [
-            str(binary), f"--kubeconfig={self.kubeconfig}", "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-            f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1", "--node-port=0", "--server-address=",
-        ])
+        self._spawn(
+            "kwok",
+            [
+                str(binary),
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                f"--cidr={POD_CIDR}",
+                "--node-ip=127.0.0.1",
+                "--node-port=0",
+                "--server-address=",
+            ],
+        )
 
     def _wait_default_service_account(self, timeout: float) -> None:
         # Pods cannot be created in a namespace until its "default" ServiceAccount exists; waiting
         # here means every later step can rely on the controllers running.
-        self._wait(lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"),
-                   "kube-controller-manager", timeout)
+        self._wait(
+            lambda: self._api_ok("/api/v1/namespaces/default/serviceaccounts/default"),
+            "kube-controller-manager",
+            timeout,
+        )
 
     def _wait(self, ready: Callable[[], bool], name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -252,12 +306,17 @@ class LocalCluster:
         ctx.load_cert_chain(str(c.admin_crt), str(c.admin_key))
         return ctx
 
-    def request(self, method: str, path: str, body: Any = None,
-                content_type: str = "application/json") -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> tuple[int, Any]:
         """One call to the API server as cluster admin; returns (status, decoded JSON body)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.server + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, context=self._ssl_context(), timeout=10) as resp:
                 return resp.status, _decode(resp.read())
@@ -280,8 +339,15 @@ class LocalCluster:
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "local", "cluster": {"server": self.server, "certificate-authority-data": b64(c.ca_crt)}}],
-            "users": [{"name": "admin", "user": {"client-certificate-data": b64(c.admin_crt), "client-key-data": b64(c.admin_key)}}],
+            "clusters": [
+                {"name": "local", "cluster": {"server": self.server, "certificate-authority-data": b64(c.ca_crt)}}
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {"client-certificate-data": b64(c.admin_crt), "client-key-data": b64(c.admin_key)},
+                }
+            ],
             "contexts": [{"name": "local", "context": {"cluster": "local", "user": "admin"}}],
             "current-context": "local",
         }
@@ -289,16 +355,24 @@ class LocalCluster:
         self.kubeconfig.chmod(0o600)
 
     def _save_state(self) -> None:
-        state = {"server": self.server, "kubeconfig": str(self.kubeconfig),
-                 "pids": {name: p.pid for name, p in self.procs.items()}}
+        state = {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "pids": {name: p.pid for name, p in self.procs.items()},
+        }
         (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     # -- cluster content --------------------------------------------------------------------------
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this cluster."""
-        proc = subprocess.run(["kubectl", f"--kubeconfig={self.kubeconfig}", *args], input=input,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["kubectl", f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if check and proc.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
         return proc
@@ -347,19 +421,32 @@ class LocalCluster:
     def set_node_ready(self, name: str, ready: bool) -> None:
         """Make a fake node NotReady (kwok stops managing it) or Ready again (kwok resumes)."""
         annotation = "fake" if ready else None
-        status, body = self.request("PATCH", f"/api/v1/nodes/{name}",
-                                    {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: annotation}}},
-                                    content_type="application/merge-patch+json")
+        status, body = self.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}",
+            {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: annotation}}},
+            content_type="application/merge-patch+json",
+        )
         if status != 200:
             raise ClusterError(f"could not patch node {name}: {status} {body}")
         if ready:
             self._wait(lambda: self.node_ready(name), "kwok", 60)
             return
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        cond = {"type": "Ready", "status": "False", "reason": "KubeletNotReady",
-                "message": "node made NotReady by localcluster", "lastHeartbeatTime": now, "lastTransitionTime": now}
-        status, body = self.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": {"conditions": [cond]}},
-                                    content_type="application/strategic-merge-patch+json")
+        cond = {
+            "type": "Ready",
+            "status": "False",
+            "reason": "KubeletNotReady",
+            "message": "node made NotReady by localcluster",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+        status, body = self.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}/status",
+            {"status": {"conditions": [cond]}},
+            content_type="application/strategic-merge-patch+json",
+        )
         if status != 200:
             raise ClusterError(f"could not mark node {name} NotReady: {status} {body}")
 
