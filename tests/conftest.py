@@ -44,7 +44,7 @@ def namespace(local_cluster: LocalCluster, request: pytest.FixtureRequest) -> It
         {
             "apiVersion": "v1",
             "kind": "Namespace",
-            "metadata": {"name": name, "labels": {"test": request.node.name[:63]}},
+            "metadata": {"name": name, "annotations": {"megatron.dev/test": request.node.nodeid}},
         },
     )
     assert status == 201, f"could not create namespace {name}: {status} {json.dumps(body)[:500]}"

@@ -1,0 +1,81 @@
+"""MegatronJobSpec in Python: the committed example parses, every bad job of ``BAD_JOBS`` is
+refused naming its field (the same list the API-server test applies), derived sizes are right,
+and the status model round-trips through its wire form."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from pydantic import ValidationError
+
+from megatron_contract import MegatronJob, MegatronJobSpec, MegatronJobStatus
+from megatron_contract.job import Condition, JobPhase
+from megatronjob_builders import BAD_JOBS, BadJob, example_job, with_spec
+
+
+def test_example_parses_with_defaults_filled() -> None:
+    job = MegatronJob.model_validate(example_job())
+    assert job.spec.tp == 2 and job.spec.replicas == 4 and job.spec.spares == 1
+    assert job.spec.cp == 1  # defaulted
+    assert job.spec.worker_pods == 4
+    assert job.spec.failure_detection.heartbeat_timeout_seconds == 10
+
+
+@pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)
+def test_bad_spec_is_refused_naming_the_field(bad: BadJob) -> None:
+    spec = with_spec(example_job(), **bad.changes)["spec"]
+    with pytest.raises(ValidationError) as info:
+        MegatronJobSpec.model_validate(spec)
+    locs = {".".join(str(p) for p in e["loc"]) for e in info.value.errors()}
+    field = bad.expect.removeprefix("spec.")
+    assert bad.expect in str(info.value) or field in locs, f"{bad.name}: {info.value}"
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "cp", "gpus", "replicas", "pods", "pods_per_replica", "replicas_per_pod"),
+    [
+        (2, 1, 1, 2, 4, 4, 1, 1),  # a replica per pod
+        (2, 2, 1, 2, 3, 6, 2, 1),  # a replica over two pods
+        (1, 1, 1, 4, 8, 2, 1, 4),  # four replicas in a pod
+        (4, 2, 2, 8, 2, 4, 2, 1),  # cp too
+    ],
+)
+def test_pod_geometry(
+    tp: int, pp: int, cp: int, gpus: int, replicas: int, pods: int, pods_per_replica: int, replicas_per_pod: int
+) -> None:
+    spec = MegatronJobSpec(
+        image="i",
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        gpus_per_pod=gpus,
+        replicas=replicas,
+        min_replicas=replicas,
+        model={"num_layers": 4, "num_attention_heads": 4, "hidden_size": 64},
+    )
+    assert (spec.worker_pods, spec.pods_per_replica, spec.replicas_per_pod) == (
+        pods,
+        pods_per_replica,
+        replicas_per_pod,
+    )
+
+
+def test_status_round_trips_through_wire_form() -> None:
+    now = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
+    status = MegatronJobStatus(
+        phase=JobPhase.RECOVERING,
+        epoch=3,
+        recoveries=2,
+        ready="7/8",
+        mesh="4x2x1",
+        conditions=[Condition(type="Recovering", status="True", reason="PodFailed", last_transition_time=now)],
+    )
+    wire = status.to_wire()
+    assert wire["conditions"][0]["lastTransitionTime"].startswith("2026-11-21T12:00:00")
+    assert MegatronJobStatus.model_validate(wire) == status
+
+
+def test_condition_reason_must_be_a_camel_case_word() -> None:
+    with pytest.raises(ValidationError):
+        Condition(type="Ready", status="True", reason="not a reason", last_transition_time=datetime.now(UTC))

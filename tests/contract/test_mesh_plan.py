@@ -1,0 +1,175 @@
+"""MeshPlan invariants: rank math is Megatron's tp-cp-dp-pp order and invertible (property test);
+a valid plan parses; plans with duplicate or missing ranks, a TP group across pods, a wrong batch
+split, or a state source that does not hold the state are refused; the batch split always adds up
+and sample ranges of one step tile the global batch exactly."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from megatron_contract import BatchGeometry, MeshCoords, MeshPlan, MeshSizes, PlanReason, Rendezvous
+from megatron_contract.mesh import MeshError, StateSourceKind
+
+sizes_st = st.builds(
+    lambda tp, pp, cp, dp: MeshSizes(world=tp * pp * cp * dp, tp=tp, pp=pp, cp=cp, dp=dp),
+    st.integers(1, 8),
+    st.integers(1, 4),
+    st.integers(1, 2),
+    st.integers(1, 16),
+)
+
+
+@given(sizes_st, st.data())
+def test_rank_math_round_trips(sizes: MeshSizes, data: st.DataObject) -> None:
+    rank = data.draw(st.integers(0, sizes.world - 1))
+    coords = sizes.coords_of(rank)
+    assert sizes.rank_of(coords) == rank
+    expected = coords.tp + sizes.tp * (coords.cp + sizes.cp * (coords.dp + sizes.dp * coords.pp))
+    assert expected == rank
+
+
+def test_rank_math_refuses_out_of_range() -> None:
+    sizes = MeshSizes(world=8, tp=2, pp=2, cp=1, dp=2)
+    with pytest.raises(MeshError):
+        sizes.coords_of(8)
+    with pytest.raises(MeshError):
+        sizes.rank_of(MeshCoords(tp=2, cp=0, dp=0, pp=0))
+
+
+@given(st.integers(1, 64), st.integers(1, 4), st.integers(1, 16), st.integers(0, 1000))
+def test_batch_split_adds_up_and_tiles_the_step(micro: int, mbs: int, dp: int, step: int) -> None:
+    if micro < dp:
+        with pytest.raises(MeshError):
+            BatchGeometry.split(micro * mbs, mbs, dp)
+        return
+    geometry = BatchGeometry.split(micro * mbs, mbs, dp)
+    assert sum(geometry.micro_batches_per_replica) * mbs == micro * mbs
+    assert max(geometry.micro_batches_per_replica) - min(geometry.micro_batches_per_replica) <= 1
+    samples = [i for d in range(dp) for i in geometry.sample_range(d, step)]
+    assert samples == list(range(step * micro * mbs, (step + 1) * micro * mbs))
+
+
+def make_plan(**overrides: object) -> dict[str, object]:
+    """A valid wire-form plan: dp=2, tp=2, one replica per 2-GPU pod; rank 2,3 restored from peers."""
+    plan: dict[str, object] = {
+        "jobUid": "uid-1",
+        "epoch": 2,
+        "reason": "replace",
+        "sizes": {"world": 4, "tp": 2, "pp": 1, "cp": 1, "dp": 2},
+        "gpusPerPod": 2,
+        "batch": {"globalBatchSize": 8, "microBatchSize": 1, "microBatchesPerReplica": [4, 4]},
+        "rendezvous": {"host": "10.0.0.5", "port": 29401, "storePrefix": Rendezvous.prefix_for("uid-1", 2)},
+        "members": [
+            {"pod": "w-0", "address": "10.0.0.5", "ranks": [0, 1]},
+            {"pod": "spare-0", "address": "10.0.0.9", "ranks": [2, 3]},
+        ],
+        "resumeStep": 10,
+        "stateSources": [
+            {"rank": 0, "kind": "self"},
+            {"rank": 1, "kind": "self"},
+            {"rank": 2, "kind": "peer", "peerRank": 0},
+            {"rank": 3, "kind": "peer", "peerRank": 1},
+        ],
+    }
+    plan.update(overrides)
+    return plan
+
+
+def test_valid_plan_parses_and_answers_queries() -> None:
+    plan = MeshPlan.model_validate(make_plan())
+    assert plan.reason is PlanReason.REPLACE
+    assert plan.member("spare-0") is not None and plan.member("gone") is None
+    assert plan.pod_of_rank() == {0: "w-0", 1: "w-0", 2: "spare-0", 3: "spare-0"}
+    assert plan.source_of(2).kind is StateSourceKind.PEER
+    assert plan.consumed_samples == 80
+    assert plan.mesh_label == "2x2x1"
+    assert MeshPlan.model_validate(plan.to_wire()) == plan
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {
+                "members": [
+                    {"pod": "w-0", "address": "a", "ranks": [0, 1]},
+                    {"pod": "s", "address": "b", "ranks": [1, 3]},
+                ]
+            },
+            "rank 1 is given to both",
+        ),
+        (
+            {
+                "members": [
+                    {"pod": "w-0", "address": "a", "ranks": [0, 2]},
+                    {"pod": "s", "address": "b", "ranks": [1, 3]},
+                ]
+            },
+            "tensor-parallel group",
+        ),
+        (
+            {
+                "members": [
+                    {"pod": "w-0", "address": "a", "ranks": [0, 1]},
+                    {"pod": "s", "address": "b", "ranks": [2, 4]},
+                ]
+            },
+            "not exactly 0..3",
+        ),
+        (
+            {
+                "members": [
+                    {"pod": "w-0", "address": "a", "ranks": [0, 1]},
+                    {"pod": "w-0", "address": "b", "ranks": [2, 3]},
+                ]
+            },
+            "a pod appears twice",
+        ),
+        ({"batch": {"globalBatchSize": 8, "microBatchSize": 1, "microBatchesPerReplica": [8]}}, "split over 1"),
+        ({"batch": {"globalBatchSize": 8, "microBatchSize": 1, "microBatchesPerReplica": [4, 3]}}, "not the global"),
+        ({"sizes": {"world": 5, "tp": 2, "pp": 1, "cp": 1, "dp": 2}}, "world 5"),
+        (
+            {
+                "stateSources": [
+                    {"rank": 0, "kind": "self"},
+                    {"rank": 1, "kind": "self"},
+                    {"rank": 2, "kind": "peer", "peerRank": 1},
+                    {"rank": 3, "kind": "peer", "peerRank": 1},
+                ]
+            },
+            "another model shard",
+        ),
+        (
+            {
+                "stateSources": [
+                    {"rank": 0, "kind": "init"},
+                    {"rank": 1, "kind": "self"},
+                    {"rank": 2, "kind": "peer", "peerRank": 0},
+                    {"rank": 3, "kind": "peer", "peerRank": 1},
+                ]
+            },
+            "does not hold its state",
+        ),
+        (
+            {
+                "stateSources": [
+                    {"rank": 0, "kind": "self"},
+                    {"rank": 1, "kind": "self"},
+                    {"rank": 2, "kind": "checkpoint"},
+                    {"rank": 3, "kind": "self"},
+                ]
+            },
+            "without checkpointStep",
+        ),
+        ({"stateSources": [{"rank": 0, "kind": "self"}]}, "every rank exactly once"),
+        ({"epoch": 0}, "greater than or equal to 1"),
+        ({"extra": 1}, "Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_plans_are_refused(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        MeshPlan.model_validate(make_plan(**overrides))
+    assert message in str(info.value)

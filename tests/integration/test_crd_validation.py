@@ -1,0 +1,72 @@
+"""The CRD on a real kube-apiserver: the example job is accepted and shows in ``kubectl get``
+with its printer columns; every job of ``BAD_JOBS`` is refused by ``kubectl apply`` with a message
+naming the field; tp, pp, cp and gpusPerPod cannot change on a live job while replicas can; the
+status subresource accepts the operator's status and ignores status sent with the spec."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from localcluster.cluster import LocalCluster
+from megatronjob_builders import BAD_JOBS, BadJob, example_job, with_spec
+
+pytestmark = pytest.mark.cluster
+
+
+def apply(cluster: LocalCluster, namespace: str, job: dict[str, Any]) -> tuple[int, str]:
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job), check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_example_is_accepted_and_listed(local_cluster: LocalCluster, namespace: str) -> None:
+    code, out = apply(local_cluster, namespace, example_job())
+    assert code == 0, out
+    got = json.loads(local_cluster.kubectl("get", "mj", "gpt-demo", "-n", namespace, "-o", "json").stdout)
+    assert got["spec"]["cp"] == 1, "defaults from the schema were not applied"
+    assert got["spec"]["failureDetection"]["collectiveTimeoutSeconds"] == 30
+    table = local_cluster.kubectl("get", "megatronjobs", "-n", namespace).stdout
+    assert table.split()[:7] == ["NAME", "PHASE", "MESH", "READY", "SPARES", "RECOVERIES", "AGE"], table
+
+
+@pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)
+def test_bad_job_is_refused_naming_the_field(local_cluster: LocalCluster, namespace: str, bad: BadJob) -> None:
+    code, out = apply(local_cluster, namespace, with_spec(example_job(bad.name), **bad.changes))
+    assert code != 0, f"{bad.name} was accepted:\n{out}"
+    assert bad.expect in out, f"{bad.name}: refusal does not name the field:\n{out}"
+    assert local_cluster.kubectl("get", "mj", bad.name, "-n", namespace, check=False).returncode != 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("tp", 1), ("pp", 2), ("cp", 2), ("gpusPerPod", 4)], ids=["tp", "pp", "cp", "gpusPerPod"]
+)
+def test_parallel_layout_is_immutable(local_cluster: LocalCluster, namespace: str, field: str, value: int) -> None:
+    job = example_job("live")
+    assert apply(local_cluster, namespace, job)[0] == 0
+    code, out = apply(local_cluster, namespace, with_spec(job, **{field: value}))
+    assert code != 0 and f"spec.{field} is immutable" in out, out
+    code, out = apply(local_cluster, namespace, with_spec(job, replicas=6))
+    assert code == 0, f"replicas should stay mutable:\n{out}"
+
+
+def test_status_subresource(local_cluster: LocalCluster, namespace: str) -> None:
+    job = example_job("st")
+    job["status"] = {"phase": "Running"}
+    assert apply(local_cluster, namespace, job)[0] == 0
+    path = f"/apis/megatron.dev/v1alpha1/namespaces/{namespace}/megatronjobs/st"
+    _, obj = local_cluster.request("GET", path)
+    assert "status" not in obj or obj["status"].get("phase") != "Running", "status must only change via /status"
+    status = {"phase": "Running", "mesh": "4x2x1", "ready": "4/4", "sparesReady": 1, "recoveries": 0, "epoch": 1}
+    code, body = local_cluster.request(
+        "PATCH", path + "/status", {"status": status}, content_type="application/merge-patch+json"
+    )
+    assert code == 200, body
+    row = local_cluster.kubectl("get", "mj", "st", "-n", namespace, "--no-headers").stdout.split()
+    assert row[1:6] == ["Running", "4x2x1", "4/4", "1", "0"], row
+    code, body = local_cluster.request(
+        "PATCH", path + "/status", {"status": {"phase": "Exploded"}}, content_type="application/merge-patch+json"
+    )
+    assert code == 422 and "status.phase" in json.dumps(body), body

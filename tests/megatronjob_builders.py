@@ -1,0 +1,93 @@
+"""Builders of MegatronJob documents for contract and CRD tests: the example, and bad variants."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
+
+
+def example_job(name: str = "gpt-demo") -> dict[str, Any]:
+    """The committed example, renamed."""
+    job: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    job["metadata"] = {"name": name}
+    return job
+
+
+def with_spec(job: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A copy of ``job`` with spec fields replaced; dotted keys (``model.numLayers``) reach nested
+    ones, and the value ``DELETE`` removes the field."""
+    job = copy.deepcopy(job)
+    for dotted, value in changes.items():
+        node = job["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return job
+
+
+DELETE = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class BadJob:
+    """A spec change the API server and the models must both refuse, and the text the refusal
+    must contain (it names the field)."""
+
+    name: str
+    changes: dict[str, Any]
+    expect: str
+
+
+BAD_JOBS: tuple[BadJob, ...] = (
+    BadJob("negative-replicas", {"replicas": -1}, "spec.replicas"),
+    BadJob("zero-tp", {"tp": 0}, "spec.tp"),
+    BadJob("negative-spares", {"spares": -2}, "spec.spares"),
+    BadJob("tp-not-dividing-gpus-per-pod", {"gpusPerPod": 3}, "spec.gpusPerPod must be a multiple of spec.tp"),
+    BadJob("min-above-replicas", {"minReplicas": 5}, "spec.minReplicas must not exceed spec.replicas"),
+    BadJob("unknown-field", {"sparez": 1}, "sparez"),
+    BadJob("unknown-nested-field", {"model.numLayer": 4}, "numLayer"),
+    BadJob("missing-image", {"image": DELETE}, "spec.image"),
+    BadJob(
+        "heads-not-divisible-by-tp",
+        {"model.numAttentionHeads": 3, "model.hiddenSize": 129},
+        "spec.model.numAttentionHeads must be a multiple of spec.tp",
+    ),
+    BadJob(
+        "layers-not-divisible-by-pp",
+        {"pp": 2, "gpusPerPod": 2, "model.numLayers": 3},
+        "spec.model.numLayers must be a multiple of spec.pp",
+    ),
+    BadJob(
+        "global-batch-smaller-than-replicas",
+        {"training.globalBatchSize": 2},
+        "spec.training.globalBatchSize / microBatchSize must be at least spec.replicas",
+    ),
+    BadJob(
+        "global-batch-not-multiple-of-micro",
+        {"training.globalBatchSize": 15, "training.microBatchSize": 2},
+        "spec.training.globalBatchSize must be a multiple of spec.training.microBatchSize",
+    ),
+    BadJob("zero-learning-rate", {"training.lr": 0}, "spec.training.lr"),
+    BadJob(
+        "heartbeat-timeout-below-interval",
+        {"failureDetection.heartbeatTimeoutSeconds": 1},
+        "spec.failureDetection.heartbeatTimeoutSeconds must exceed heartbeatIntervalSeconds",
+    ),
+    BadJob("bad-pull-policy", {"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
+    BadJob("replicas-not-a-number", {"replicas": "four"}, "spec.replicas"),
+    BadJob(
+        "pod-splits-replicas-unevenly",
+        {"gpusPerPod": 8, "replicas": 6, "minReplicas": 2},
+        "spec.replicas and spec.minReplicas must be multiples of the replicas one pod holds",
+    ),
+)
