@@ -1,0 +1,345 @@
+"""Mesh planning: a pure function from what the operator sees to the next :class:`MeshPlan`.
+
+The atomic piece of a mesh is a *unit*: the smallest set of whole pods that holds whole
+data-parallel replicas. When a replica spans pods (``tp*pp*cp > gpusPerPod``) a unit is the
+``podsPerReplica`` pods of one replica; when a pod holds several replicas a unit is one pod and
+its ``replicasPerPod`` replicas. Shrinking and growing add or remove whole units, so a tensor-
+parallel group never spans pods and a pod never holds part of a dropped replica.
+
+Policy, in order (``shared/DESIGN.md``):
+
+1. a pod of the mesh that failed is replaced by a spare, in place: same ranks, same mesh;
+2. with spares exhausted, damaged units are dropped whole and their healthy pods go back to the
+   pool, where they may repair another damaged unit;
+3. never below ``minReplicas``: then there is no plan and the job waits (Degraded);
+4. with pods to spare and fewer than ``replicas`` replicas, the mesh grows back.
+
+A pod keeps its state (``self``) when it stays in the mesh at the same model-parallel position;
+every other rank receives it from a data-parallel peer at the same position that keeps its own,
+or, when no replica holds that shard any more, every rank reloads the newest checkpoint (or, with
+no checkpoint configured, training starts over from the seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Collection, Sequence
+from datetime import datetime
+
+from megatron_contract.job import MegatronJobSpec
+from megatron_contract.mesh import (
+    BatchGeometry,
+    MeshCoords,
+    MeshPlan,
+    MeshSizes,
+    PlanMember,
+    PlanReason,
+    Rendezvous,
+    StateSource,
+    StateSourceKind,
+)
+from megatron_contract.wire import AGENT_PORT, RENDEZVOUS_PORT
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRef:
+    """A healthy pod the planner may place: its name, UID and the address of its agent."""
+
+    name: str
+    uid: str
+    address: str
+
+
+class Outcome(enum.StrEnum):
+    """What the planner decided."""
+
+    UNCHANGED = "unchanged"  # the previous plan stands
+    NEW_PLAN = "new-plan"
+    WAIT = "wait"  # too few pods for minReplicas: no plan; the job waits for capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDecision:
+    """The planner's answer.
+
+    Attributes:
+        outcome: what was decided.
+        plan: the new plan (NEW_PLAN) or the previous one (UNCHANGED); None for WAIT.
+        promoted: spares that joined the mesh.
+        released: pods of the previous mesh that left it healthy and are spares again.
+        lost: pods of the previous mesh that are gone or failed.
+        message: one line for events and status.
+    """
+
+    outcome: Outcome
+    plan: MeshPlan | None
+    promoted: tuple[str, ...] = ()
+    released: tuple[str, ...] = ()
+    lost: tuple[str, ...] = ()
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitShape:
+    """How replicas map onto pods for a spec."""
+
+    pods_per_unit: int
+    replicas_per_unit: int
+    gpus_per_pod: int
+    model_parallel: int
+
+    @classmethod
+    def of(cls, spec: MegatronJobSpec) -> UnitShape:
+        return cls(spec.pods_per_replica, spec.replicas_per_pod, spec.gpus_per_pod, spec.model_parallel)
+
+    def units_for(self, replicas: int) -> int:
+        """Units that hold ``replicas`` replicas (replicas is a multiple of replicas_per_unit)."""
+        return replicas // self.replicas_per_unit
+
+    def slot(self, unit: int, position: int, local: int) -> tuple[int, int]:
+        """(dp rank, model-parallel index) of GPU ``local`` of the pod at ``position`` in ``unit``."""
+        if self.pods_per_unit > 1:
+            return unit, position * self.gpus_per_pod + local
+        return unit * self.replicas_per_unit + local // self.model_parallel, local % self.model_parallel
+
+
+def _coords(sizes: MeshSizes, dp: int, mp_index: int) -> MeshCoords:
+    # Model-parallel index inside one replica: tp fastest, then cp, then pp (Megatron's order).
+    tp, rest = mp_index % sizes.tp, mp_index // sizes.tp
+    cp, pp = rest % sizes.cp, rest // sizes.cp
+    return MeshCoords(tp=tp, cp=cp, dp=dp, pp=pp)
+
+
+def _previous_units(plan: MeshPlan, shape: UnitShape) -> list[list[str]]:
+    """The previous mesh as units: for each unit, its pod names by position."""
+    pod_of = plan.pod_of_rank()
+    units: list[list[str]] = []
+    n_units = plan.sizes.dp // shape.replicas_per_unit
+    for unit in range(n_units):
+        pods: list[str] = []
+        for position in range(shape.pods_per_unit):
+            dp, mp_index = shape.slot(unit, position, 0)
+            pods.append(pod_of[plan.sizes.rank_of(_coords(plan.sizes, dp, mp_index))])
+        units.append(pods)
+    return units
+
+
+def _resume(reported: int | None, previous: int) -> int:
+    # Never behind the previous plan: steps before it were completed by the whole mesh.
+    return max(previous, reported if reported is not None else 0)
+
+
+def plan_mesh(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    healthy_active: Sequence[PodRef],
+    healthy_spares: Sequence[PodRef],
+    failed: Collection[str],
+    previous: MeshPlan | None,
+    *,
+    resume_step: int | None = None,
+    checkpoint_step: int | None = None,
+    now: datetime | None = None,
+) -> PlanDecision:
+    """The next mesh plan.
+
+    Args:
+        spec: the job's spec.
+        job_uid: the job's UID (plans and store prefixes carry it).
+        healthy_active: healthy pods of the current mesh (or the worker pods, before the first plan).
+        healthy_spares: healthy pods outside the mesh, usable as spares, in order of preference.
+        failed: names of pods known to have failed; they never enter a plan.
+        previous: the plan in force, or None before the first one.
+        resume_step: the first step not yet completed by the surviving trainers, when known.
+        checkpoint_step: step of the newest complete checkpoint, when known; used only when no
+            data-parallel peer still holds some shard of the state.
+        now: the plan's creation time.
+
+    Returns:
+        The decision; its plan, when new, has passed every invariant of :class:`MeshPlan`.
+    """
+    shape = UnitShape.of(spec)
+    max_units = shape.units_for(spec.replicas)
+    min_units = shape.units_for(spec.min_replicas)
+    failed_set = set(failed)
+    active = {p.name: p for p in healthy_active if p.name not in failed_set}
+    spares = [p for p in healthy_spares if p.name not in failed_set and p.name not in active]
+
+    if previous is None:
+        pool = list(active.values()) + spares
+        n_units = min(max_units, len(pool) // shape.pods_per_unit)
+        if n_units < min_units or n_units == 0:
+            return PlanDecision(
+                Outcome.WAIT,
+                None,
+                message=f"{len(pool)} healthy pods; the first plan needs {min_units * shape.pods_per_unit}",
+            )
+        units = [
+            [pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)
+        ]
+        promoted = tuple(p.name for u in units for p in u if p.name not in active)
+        plan = _build(spec, job_uid, 1, PlanReason.INITIAL, shape, units, None, 0, checkpoint_step, now)
+        return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
+
+    previous_units = _previous_units(previous, shape)
+    uid_of = {m.pod: m.pod_uid for m in previous.members}
+    # A member survives only if the very pod of the plan (same UID) is still healthy.
+    survivors = {
+        name
+        for unit in previous_units
+        for name in unit
+        if name in active and (uid_of[name] is None or active[name].uid == uid_of[name])
+    }
+    lost = tuple(sorted({name for unit in previous_units for name in unit} - survivors))
+    intact = [u for u in previous_units if all(n in survivors for n in u)]
+    damaged = [u for u in previous_units if not all(n in survivors for n in u)]
+
+    damaged_survivors = sum(1 for u in damaged for n in u if n in survivors)
+    available = len(intact) * shape.pods_per_unit + damaged_survivors + len(spares)
+    n_units = min(max_units, available // shape.pods_per_unit)
+    current_units = len(previous_units)
+
+    if not lost and n_units <= current_units:
+        return PlanDecision(Outcome.UNCHANGED, previous)
+    if n_units < min_units:
+        return PlanDecision(
+            Outcome.WAIT,
+            None,
+            lost=lost,
+            message=(
+                f"{available} healthy pods hold {n_units * shape.replicas_per_unit} replicas, "
+                f"below minReplicas {spec.min_replicas}; waiting for capacity"
+            ),
+        )
+
+    # Keep intact units; rebuild the damaged units with the most survivors first; the survivors of
+    # the damaged units not rebuilt join the pool and fill the holes of the ones that are.
+    keep_damaged = sorted(damaged, key=lambda u: -sum(1 for n in u if n in survivors))
+    keep_damaged = keep_damaged[: max(0, n_units - len(intact))]
+    kept_intact = intact[:n_units]
+    dropped = [u for u in damaged if u not in keep_damaged]
+    pool: list[PodRef] = list(spares)
+    pool.extend(active[n] for u in dropped for n in u if n in survivors)
+    pool.reverse()  # pop() takes spares first, so released pods tend to stay spares
+
+    new_units: list[list[PodRef]] = []
+    # Kept units stay in their previous order, so dp ranks move as little as possible.
+    for unit in (u for u in previous_units if u in kept_intact or u in keep_damaged):
+        new_units.append([active[name] if name in survivors else pool.pop() for name in unit])
+    while len(new_units) < n_units:
+        new_units.append([pool.pop() for _ in range(shape.pods_per_unit)])
+
+    members = {p.name for u in new_units for p in u}
+    promoted = tuple(p.name for u in new_units for p in u if p.name not in survivors)
+    released = tuple(sorted(n for n in survivors if n not in members))
+    if n_units < current_units:
+        reason = PlanReason.SHRINK
+    elif n_units > current_units:
+        reason = PlanReason.GROW
+    else:
+        reason = PlanReason.REPLACE
+    resume = _resume(resume_step, previous.resume_step)
+    plan = _build(spec, job_uid, previous.epoch + 1, reason, shape, new_units, previous, resume, checkpoint_step, now)
+    message = (
+        f"{reason.value}: mesh {previous.mesh_label} -> {plan.mesh_label}"
+        + (f", lost {', '.join(lost)}" if lost else "")
+        + (f", promoted {', '.join(promoted)}" if promoted else "")
+        + (f", released {', '.join(released)}" if released else "")
+    )
+    return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
+
+
+def _build(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    epoch: int,
+    reason: PlanReason,
+    shape: UnitShape,
+    units: list[list[PodRef]],
+    previous: MeshPlan | None,
+    resume_step: int,
+    checkpoint_step: int | None,
+    now: datetime | None,
+) -> MeshPlan:
+    dp = len(units) * shape.replicas_per_unit
+    sizes = MeshSizes(world=spec.model_parallel * dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp)
+    members: list[PlanMember] = []
+    mp_key_of: dict[int, tuple[int, int, int]] = {}
+    for unit_index, unit in enumerate(units):
+        for position, pod in enumerate(unit):
+            ranks = []
+            for local in range(shape.gpus_per_pod):
+                dp_rank, mp_index = shape.slot(unit_index, position, local)
+                coords = _coords(sizes, dp_rank, mp_index)
+                rank = sizes.rank_of(coords)
+                ranks.append(rank)
+                mp_key_of[rank] = coords.model_parallel_key()
+            members.append(PlanMember(pod=pod.name, pod_uid=pod.uid, address=pod.address, agent_port=AGENT_PORT,
+                                      ranks=ranks))
+
+    sources = _state_sources(sizes, members, mp_key_of, previous, checkpoint_step)
+    if previous is not None and any(s.kind is not StateSourceKind.SELF and s.kind is not StateSourceKind.PEER
+                                    for s in sources):
+        # Some shard is held by nobody: everyone restarts from the checkpoint step (or from 0).
+        resume_step = sources[0].checkpoint_step or 0
+    members.sort(key=lambda m: m.ranks[0])
+    host = _rendezvous_host(members, sources)
+    return MeshPlan(
+        job_uid=job_uid,
+        epoch=epoch,
+        reason=reason,
+        sizes=sizes,
+        gpus_per_pod=spec.gpus_per_pod,
+        batch=BatchGeometry.split(spec.training.global_batch_size, spec.training.micro_batch_size, dp),
+        rendezvous=Rendezvous(host=host, port=RENDEZVOUS_PORT, store_prefix=Rendezvous.prefix_for(job_uid, epoch)),
+        members=members,
+        resume_step=resume_step,
+        state_sources=sources,
+        created_at=now,
+    )
+
+
+def _state_sources(
+    sizes: MeshSizes,
+    members: list[PlanMember],
+    mp_key_of: dict[int, tuple[int, int, int]],
+    previous: MeshPlan | None,
+    checkpoint_step: int | None,
+) -> list[StateSource]:
+    if previous is None:
+        return [StateSource(rank=r, kind=StateSourceKind.INIT) for r in range(sizes.world)]
+    # What each previous member held: pod (by UID when known) -> model-parallel keys it held.
+    held: dict[tuple[str, str | None], set[tuple[int, int, int]]] = {}
+    for m in previous.members:
+        keys = {previous.sizes.coords_of(r).model_parallel_key() for r in m.ranks}
+        held[(m.pod, m.pod_uid)] = keys
+    keeps: dict[int, bool] = {}
+    for m in members:
+        keys = held.get((m.pod, m.pod_uid), set())
+        for rank in m.ranks:
+            keeps[rank] = mp_key_of[rank] in keys
+    holder: dict[tuple[int, int, int], int] = {}
+    for rank in sorted(keeps):
+        if keeps[rank]:
+            holder.setdefault(mp_key_of[rank], rank)
+    if any(mp_key_of[r] not in holder for r in keeps):
+        if checkpoint_step is not None:
+            return [StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=checkpoint_step)
+                    for r in range(sizes.world)]
+        return [StateSource(rank=r, kind=StateSourceKind.INIT) for r in range(sizes.world)]
+    return [
+        StateSource(rank=r, kind=StateSourceKind.SELF)
+        if keeps[r]
+        else StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=holder[mp_key_of[r]])
+        for r in range(sizes.world)
+    ]
+
+
+def _rendezvous_host(members: list[PlanMember], sources: list[StateSource]) -> str:
+    """A surviving member's address (it already runs its store); the first member otherwise."""
+    keeps = {s.rank for s in sources if s.kind is StateSourceKind.SELF}
+    for m in members:
+        if any(r in keeps for r in m.ranks):
+            return m.address
+    return members[0].address

@@ -1,0 +1,273 @@
+"""Mesh planning (``megatron_operator.planner.plan_mesh``), a pure function.
+
+Scenarios:
+- initial plan: every worker pod gets ranks, every rank starts from init; too few pods waits;
+- a failed pod is replaced by a spare in place: same mesh and ranks, the newcomer gets its state
+  from a data-parallel peer, everyone else keeps its own;
+- with spares exhausted the mesh shrinks by whole replicas and healthy pods of a dropped replica
+  go back to the pool (and may repair another replica); never below minReplicas (WAIT);
+- grow back to ``replicas`` when pods return; nothing changes when nothing happened;
+- a recreated pod with the same name but another UID is not taken for the old one;
+- when no replica holds a shard any more, every rank reloads the checkpoint (or starts over).
+- property (hypothesis): for any valid spec and any sequence of failures and arrivals, every plan
+  is a valid mesh (ranks unique and dense, TP groups inside a pod, world = tp*pp*cp*dp), epochs
+  strictly increase, the global batch never changes, dp stays in [minReplicas, replicas] and is
+  as large as the healthy pods allow, failed pods never train, no healthy pod is lost, and every
+  rank's state source really holds that state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from operator_factories import JOB_UID, make_pod_refs, make_spec
+
+from megatron_contract.job import MegatronJobSpec
+from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
+from megatron_operator.planner import Outcome, PodRef, UnitShape, plan_mesh
+
+
+def _initial(spec: MegatronJobSpec, pods: list[PodRef]) -> MeshPlan:
+    decision = plan_mesh(spec, JOB_UID, pods, [], [], None)
+    assert decision.outcome is Outcome.NEW_PLAN and decision.plan is not None
+    return decision.plan
+
+
+def _refs(plan: MeshPlan) -> list[PodRef]:
+    return [PodRef(m.pod, m.pod_uid or "", m.address) for m in plan.members]
+
+
+def test_initial_plan_gives_every_worker_ranks_and_init_state() -> None:
+    spec = make_spec(replicas=4, tp=2, pp=2, gpus_per_pod=2)
+    plan = _initial(spec, make_pod_refs(8))
+    assert plan.epoch == 1 and plan.reason is PlanReason.INITIAL
+    assert (plan.sizes.world, plan.sizes.dp) == (16, 4)
+    assert {m.pod for m in plan.members} == {f"p{i}" for i in range(8)}
+    assert all(s.kind is StateSourceKind.INIT for s in plan.state_sources)
+    assert plan.rendezvous.store_prefix == f"{JOB_UID}/epoch-1"
+    assert plan.resume_step == 0
+
+
+def test_initial_plan_waits_for_enough_pods() -> None:
+    spec = make_spec(replicas=4, min_replicas=4)
+    decision = plan_mesh(spec, JOB_UID, make_pod_refs(3), [], [], None)
+    assert decision.outcome is Outcome.WAIT and decision.plan is None
+
+
+def test_failed_pod_is_replaced_by_spare_in_place() -> None:
+    spec = make_spec(replicas=4, spares=1, tp=2, gpus_per_pod=2)
+    pods = make_pod_refs(5)
+    plan = _initial(spec, pods[:4])
+    dead = plan.members[1]
+    decision = plan_mesh(spec, JOB_UID, [p for p in pods[:4] if p.name != dead.pod], [pods[4]], [dead.pod], plan,
+                         resume_step=7)
+    new = decision.plan
+    assert decision.outcome is Outcome.NEW_PLAN and new is not None
+    assert new.reason is PlanReason.REPLACE and new.epoch == 2 and new.sizes == plan.sizes
+    assert decision.promoted == ("p4",) and decision.lost == (dead.pod,)
+    assert new.member("p4") is not None and new.member("p4").ranks == dead.ranks  # type: ignore[union-attr]
+    for rank in dead.ranks:
+        source = new.source_of(rank)
+        assert source.kind is StateSourceKind.PEER
+        assert source.peer_rank is not None
+        peer_key = new.sizes.coords_of(source.peer_rank).model_parallel_key()
+        assert peer_key == new.sizes.coords_of(rank).model_parallel_key()
+    others = [r for m in new.members if m.pod != "p4" for r in m.ranks]
+    assert all(new.source_of(r).kind is StateSourceKind.SELF for r in others)
+    assert new.resume_step == 7
+    assert new.rendezvous.host != "127.64.0.5"  # the newcomer does not host the store
+
+
+def test_shrink_drops_whole_replicas_and_returns_healthy_pods() -> None:
+    # A replica spans two pods (tp=2, pp=2, 2 GPUs per pod); no spares.
+    spec = make_spec(replicas=3, min_replicas=1, spares=0, tp=2, pp=2, gpus_per_pod=2)
+    pods = make_pod_refs(6)
+    plan = _initial(spec, pods)
+    victim = plan.members[0].pod
+    decision = plan_mesh(spec, JOB_UID, [p for p in pods if p.name != victim], [], [victim], plan)
+    new = decision.plan
+    assert new is not None and new.reason is PlanReason.SHRINK
+    assert new.sizes.dp == 2 and len(new.members) == 4
+    assert len(decision.released) == 1 and decision.released[0] not in {m.pod for m in new.members}
+    assert new.batch.global_batch_size == plan.batch.global_batch_size
+
+
+def test_released_pod_repairs_another_replica() -> None:
+    # Two replicas each lose one of their two pods: one is dropped, its survivor repairs the other.
+    spec = make_spec(replicas=2, min_replicas=1, spares=0, tp=2, pp=2, gpus_per_pod=2)
+    pods = make_pod_refs(4)
+    plan = _initial(spec, pods)
+    unit_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
+    # Victims at different pipeline stages, so that a peer still holds each shard.
+    pp_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).pp for m in plan.members}
+    victims = [next(p for p in unit_of if unit_of[p] == 0 and pp_of[p] == 0),
+               next(p for p in unit_of if unit_of[p] == 1 and pp_of[p] == 1)]
+    alive = [p for p in pods if p.name not in victims]
+    decision = plan_mesh(spec, JOB_UID, alive, [], victims, plan)
+    new = decision.plan
+    assert new is not None and new.sizes.dp == 1 and new.reason is PlanReason.SHRINK
+    assert {m.pod for m in new.members} == {p.name for p in alive}
+    assert all(s.kind in (StateSourceKind.SELF, StateSourceKind.PEER) for s in new.state_sources)
+
+
+def test_never_below_min_replicas() -> None:
+    spec = make_spec(replicas=4, min_replicas=3, spares=0)
+    pods = make_pod_refs(4)
+    plan = _initial(spec, pods)
+    decision = plan_mesh(spec, JOB_UID, pods[2:], [], ["p0", "p1"], plan)
+    assert decision.outcome is Outcome.WAIT and decision.plan is None
+    assert decision.lost == ("p0", "p1")
+
+
+def test_grow_back_when_pods_return() -> None:
+    spec = make_spec(replicas=4, min_replicas=2, spares=0)
+    pods = make_pod_refs(4)
+    plan = _initial(spec, pods)
+    shrunk = plan_mesh(spec, JOB_UID, pods[1:], [], ["p0"], plan).plan
+    assert shrunk is not None and shrunk.sizes.dp == 3
+    grown = plan_mesh(spec, JOB_UID, _refs(shrunk), make_pod_refs(1, start=10), [], shrunk)
+    assert grown.plan is not None and grown.plan.reason is PlanReason.GROW and grown.plan.sizes.dp == 4
+    assert grown.promoted == ("p10",)
+    assert grown.plan.epoch == shrunk.epoch + 1
+
+
+def test_nothing_happened_keeps_the_plan() -> None:
+    spec = make_spec(replicas=2, spares=1)
+    pods = make_pod_refs(3)
+    plan = _initial(spec, pods[:2])
+    decision = plan_mesh(spec, JOB_UID, pods[:2], [pods[2]], [], plan)
+    assert decision.outcome is Outcome.UNCHANGED and decision.plan is plan
+
+
+def test_recreated_pod_with_same_name_is_not_the_member() -> None:
+    spec = make_spec(replicas=2, min_replicas=1, spares=0)
+    pods = make_pod_refs(2)
+    plan = _initial(spec, pods)
+    impostor = dataclasses.replace(pods[0], uid="another-uid")
+    decision = plan_mesh(spec, JOB_UID, [impostor, pods[1]], [], [], plan)
+    assert decision.lost == ("p0",)
+
+
+@pytest.mark.parametrize("checkpoint_step", [None, 40])
+def test_lost_shard_falls_back_to_checkpoint_or_init(checkpoint_step: int | None) -> None:
+    spec = make_spec(replicas=1, min_replicas=1, spares=1)
+    pods = make_pod_refs(2)
+    plan = _initial(spec, pods[:1])
+    decision = plan_mesh(spec, JOB_UID, [], [pods[1]], ["p0"], plan, resume_step=50, checkpoint_step=checkpoint_step)
+    new = decision.plan
+    assert new is not None
+    kind = StateSourceKind.INIT if checkpoint_step is None else StateSourceKind.CHECKPOINT
+    assert all(s.kind is kind for s in new.state_sources)
+    assert new.resume_step == (checkpoint_step or 0)
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> MegatronJobSpec:
+    tp = draw(st.sampled_from([1, 2, 4]))
+    pp = draw(st.sampled_from([1, 2]))
+    cp = draw(st.sampled_from([1, 2]))
+    mp = tp * pp * cp
+    layouts = [g for g in (1, 2, 4, 8) if g % tp == 0 and (mp % g == 0 or g % mp == 0)]
+    gpus_per_pod = draw(st.sampled_from(layouts))
+    per_pod = max(1, gpus_per_pod // mp)
+    replicas = per_pod * draw(st.integers(1, 6))
+    min_replicas = per_pod * draw(st.integers(1, replicas // per_pod))
+    return make_spec(replicas=replicas, min_replicas=min_replicas, spares=draw(st.integers(0, 3)), tp=tp, pp=pp,
+                     cp=cp, gpus_per_pod=gpus_per_pod)
+
+
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("fail"), st.integers(0, 1000), st.integers(1, 3)),
+        st.tuples(st.just("fail-spare"), st.integers(0, 1000), st.just(1)),
+        st.tuples(st.just("arrive"), st.integers(0, 0), st.integers(1, 4)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(), history=events, steps=st.lists(st.integers(0, 5), min_size=12, max_size=12))
+def test_every_plan_is_a_valid_mesh_for_any_failures_and_arrivals(
+    spec: MegatronJobSpec, history: list[tuple[str, int, int]], steps: list[int]
+) -> None:
+    shape = UnitShape.of(spec)
+    serial = spec.worker_pods + spec.spares
+    healthy: dict[str, PodRef] = {p.name: p for p in make_pod_refs(serial)}
+    plan = _initial(spec, list(healthy.values())[: spec.worker_pods])
+    failed: set[str] = set()
+    completed = 0
+    for (kind, pick, count), advance in zip(history, steps, strict=False):
+        members = [m.pod for m in plan.members] if plan else []
+        spares = [n for n in healthy if n not in members]
+        if kind == "fail" and members:
+            for k in range(count):
+                victim = members[(pick + k) % len(members)]
+                healthy.pop(victim, None)
+                failed.add(victim)
+        elif kind == "fail-spare" and spares:
+            victim = spares[pick % len(spares)]
+            healthy.pop(victim)
+            failed.add(victim)
+        elif kind == "arrive":
+            for ref in make_pod_refs(count, start=serial):
+                healthy[ref.name] = ref
+            serial += count
+        completed += advance
+        active = [healthy[n] for n in members if n in healthy]
+        pool = [p for n, p in healthy.items() if n not in members]
+        decision = plan_mesh(spec, JOB_UID, active, pool, failed, plan, resume_step=completed)
+        assert decision.plan is not plan or decision.outcome is Outcome.UNCHANGED
+        if decision.outcome is Outcome.WAIT:
+            assert decision.plan is None
+            assert len(healthy) // shape.pods_per_unit * shape.replicas_per_unit < spec.min_replicas
+            continue  # the job waits; the next event plans from the same previous plan
+        new = decision.plan
+        assert new is not None
+        if decision.outcome is Outcome.UNCHANGED:
+            assert new is plan
+            continue
+        _check_transition(spec, shape, plan, new, healthy, failed)
+        plan = new
+
+
+def _check_transition(spec: MegatronJobSpec, shape: UnitShape, old: MeshPlan, new: MeshPlan,
+                      healthy: dict[str, PodRef], failed: set[str]) -> None:
+    # Re-validate from the wire form: what the trainer parses is valid too.
+    MeshPlan.model_validate(new.to_wire())
+    sizes = new.sizes
+    assert sizes.world == sizes.tp * sizes.pp * sizes.cp * sizes.dp
+    assert (sizes.tp, sizes.pp, sizes.cp) == (spec.tp, spec.pp, spec.cp)
+    assert sorted(r for m in new.members for r in m.ranks) == list(range(sizes.world))
+    assert new.epoch == old.epoch + 1
+    assert new.batch.global_batch_size == spec.training.global_batch_size
+    assert spec.min_replicas <= sizes.dp <= spec.replicas
+    # As large as the healthy pods allow.
+    assert sizes.dp == min(spec.replicas, len(healthy) // shape.pods_per_unit * shape.replicas_per_unit)
+    members = {m.pod for m in new.members}
+    assert not members & failed and members <= set(healthy)
+    for member in new.members:
+        assert member.pod_uid == healthy[member.pod].uid
+        first_ranks = {r - r % sizes.tp for r in member.ranks}
+        assert all(f in member.ranks for f in first_ranks)  # TP groups inside the pod
+    # State sources: self means the very pod held that shard before; peers hold theirs.
+    held = {(m.pod, old.sizes.coords_of(r).model_parallel_key()) for m in old.members for r in m.ranks}
+    pod_of = new.pod_of_rank()
+    kinds = {s.kind for s in new.state_sources}
+    for source in new.state_sources:
+        key = sizes.coords_of(source.rank).model_parallel_key()
+        if source.kind is StateSourceKind.SELF:
+            assert (pod_of[source.rank], key) in held
+        elif source.kind is StateSourceKind.PEER:
+            assert source.peer_rank is not None
+            assert (pod_of[source.peer_rank], key) in held
+    if kinds <= {StateSourceKind.SELF, StateSourceKind.PEER}:
+        assert new.resume_step >= old.resume_step
+    else:
+        assert kinds == {StateSourceKind.INIT} and new.resume_step == 0
