@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from localcluster import build, certs
+from localcluster.nodeagent import NodeAgent
 
 SERVICE_CIDR = "10.0.0.0/24"
 #: Pod IPs of kwok nodes come from here: loopback, so a test can serve at a pod's address.
@@ -83,6 +84,7 @@ class LocalCluster:
         self.with_kwok = kwok
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._certs: certs.Certs | None = None
+        self.node_agents: list[NodeAgent] = []
 
     # -- paths ------------------------------------------------------------------------------------
 
@@ -144,6 +146,9 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every component (SIGTERM, then SIGKILL) and free its port; idempotent."""
+        for agent in self.node_agents:
+            agent.stop()
+        self.node_agents.clear()
         for name in reversed(list(self.procs)):
             _terminate(self.procs[name].pid, name)
         self.procs.clear()
@@ -410,6 +415,19 @@ class LocalCluster:
             names.append(name)
         self._wait(lambda: all(self.node_ready(n) for n in names), "kwok", 60)
         return names
+
+    def add_process_nodes(self, count: int, gpus_per_node: int = 8, prefix: str = "local") -> NodeAgent:
+        """Register ``count`` nodes whose pods run as local processes (see :mod:`localcluster.nodeagent`).
+
+        Pods reach them with ``nodeSelector: {megatron.dev/local-node: "true"}``. Returns the agent,
+        whose ``kill_pod_process`` plays a dying GPU.
+        """
+        start = len([a for a in self.node_agents for _ in a.node_list])
+        names = [f"{prefix}-{start + i}" for i in range(count)]
+        agent = NodeAgent(self.kubeconfig, names, self.workdir, gpus_per_node).start()
+        self.node_agents.append(agent)
+        self._wait(lambda: all(self.node_ready(n) for n in names), "node agent", 30)
+        return agent
 
     def node_ready(self, name: str) -> bool:
         status, node = self.request("GET", f"/api/v1/nodes/{name}")

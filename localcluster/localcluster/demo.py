@@ -8,7 +8,6 @@ up until Enter is pressed, so you can explore it with the printed KUBECONFIG.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from localcluster.cluster import REPO_ROOT, ClusterError, LocalCluster
 

@@ -1,0 +1,368 @@
+"""The node agent: the slice of kubelet that end-to-end runs need.
+
+Pods that the scheduler binds to this agent's nodes run as local processes: the container's
+command and args with its environment (plain values, downward-API ``fieldRef`` and
+``secretKeyRef`` resolved), a loopback pod IP of its own (``127.65.x.y``, so every pod can bind
+the same ports), status reported as Running, then Succeeded or Failed with the exit code (128+N
+for a signal, as container runtimes do), and the process group killed when the pod is deleted.
+Nodes stay Ready through Lease renewals. ``python``/``python3`` as the command run with this
+agent's interpreter, so pods use the project's environment.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from localcluster.api import ApiError, KubeApi
+
+GPU_RESOURCE = "nvidia.com/gpu"
+LOCAL_NODE_LABEL = "megatron.dev/local-node"
+POD_IP_PREFIX = "127.65"
+LEASE_SECONDS = 40
+RENEW_SECONDS = 10
+#: Variables a pod inherits from the agent (so the project's Python and paths work inside it).
+PASSTHROUGH_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "MEGATRON_OPERATOR_CACHE", "TMPDIR")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now_micro() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _log(msg: str) -> None:
+    print(f"[nodeagent] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class RunningPod:
+    namespace: str
+    name: str
+    uid: str
+    ip: str
+    proc: subprocess.Popen[bytes]
+    deleting: bool = False
+
+
+class NodeAgent:
+    """Runs the pods of ``nodes`` as local processes until :meth:`stop`."""
+
+    def __init__(self, kubeconfig: Path, nodes: list[str], workdir: Path, gpus_per_node: int = 8) -> None:
+        self.api = KubeApi(kubeconfig)
+        self.nodes = set(nodes)
+        self.node_list = list(nodes)
+        self.gpus_per_node = gpus_per_node
+        self.logdir = Path(workdir) / "pods"
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.pods: dict[str, RunningPod] = {}  # by pod uid
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._next_ip = 1
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> NodeAgent:
+        for name in self.node_list:
+            self._register_node(name)
+        for target in (self._renew_leases, self._watch_pods):
+            t = threading.Thread(target=target, name=f"nodeagent-{target.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            running = list(self.pods.values())
+        for pod in running:
+            self._kill(pod, grace=2.0)
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def _register_node(self, name: str) -> None:
+        capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU_RESOURCE: str(self.gpus_per_node)}
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": {LOCAL_NODE_LABEL: "true", "kubernetes.io/hostname": name}},
+            "spec": {},
+        }
+        with contextlib.suppress(ApiError):
+            self.api.request("POST", "/api/v1/nodes", node)
+        self.api.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}/status",
+            {
+                "status": {
+                    "capacity": capacity,
+                    "allocatable": capacity,
+                    "addresses": [
+                        {"type": "InternalIP", "address": "127.0.0.1"},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "reason": "KubeletReady",
+                            "message": "local node agent is running",
+                            "lastHeartbeatTime": _now(),
+                            "lastTransitionTime": _now(),
+                        }
+                    ],
+                }
+            },
+            patch="strategic",
+        )
+        self._renew_lease(name)
+
+    def _renew_lease(self, name: str) -> None:
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "namespace": "kube-node-lease"},
+            "spec": {"holderIdentity": name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": _now_micro()},
+        }
+        try:
+            self.api.request(
+                "PATCH",
+                f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}",
+                {"spec": lease["spec"]},
+            )
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            self.api.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", lease)
+
+    def _renew_leases(self) -> None:
+        while not self._stop.wait(RENEW_SECONDS):
+            for name in self.node_list:
+                try:
+                    self._renew_lease(name)
+                except (ApiError, OSError) as err:
+                    _log(f"lease renewal of {name} failed: {err}")
+
+    # -- pods -------------------------------------------------------------------------------------
+
+    def _watch_pods(self) -> None:
+        while not self._stop.is_set():
+            try:
+                listing = self.api.request("GET", "/api/v1/pods")
+                for pod in listing["items"]:
+                    self._handle(pod, deleted=False)
+                rv = listing["metadata"]["resourceVersion"]
+                while not self._stop.is_set():
+                    for event in self.api.watch("/api/v1/pods", rv, timeout_seconds=30):
+                        if event["type"] == "ERROR":
+                            raise ApiError(event["object"].get("code", 500), event["object"])
+                        rv = event["object"]["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            self._handle(event["object"], deleted=event["type"] == "DELETED")
+                        if self._stop.is_set():
+                            return
+            except (ApiError, OSError, ValueError) as err:
+                if not self._stop.is_set():
+                    _log(f"pod watch restarts after: {err}")
+                    time.sleep(0.5)
+
+    def _handle(self, pod: dict[str, Any], deleted: bool) -> None:
+        if pod["spec"].get("nodeName") not in self.nodes:
+            return
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            running = self.pods.get(uid)
+        if deleted or pod["metadata"].get("deletionTimestamp"):
+            if running is not None and not running.deleting:
+                running.deleting = True
+                threading.Thread(target=self._delete, args=(running, pod, deleted), daemon=True).start()
+            elif running is None and not deleted:
+                self._finalize_delete(pod["metadata"]["namespace"], pod["metadata"]["name"], uid)
+            return
+        if running is None and uid not in self._finished and pod["status"].get("phase", "Pending") == "Pending":
+            self._run(pod)
+
+    def _run(self, pod: dict[str, Any]) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        containers = spec["containers"]
+        try:
+            if len(containers) != 1:
+                raise ValueError("the local node agent runs pods of exactly one container")
+            container = containers[0]
+            argv = [*container.get("command", []), *container.get("args", [])]
+            if not argv:
+                raise ValueError("container has no command: the local node agent cannot run an image's entrypoint")
+            if argv[0] in ("python", "python3"):
+                argv[0] = sys.executable
+            ip = self._allocate_ip()
+            env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+            env.update(self._container_env(pod, container, ip))
+        except (ValueError, ApiError, KeyError) as err:
+            self._finished.add(uid)
+            self._set_status(ns, name, {"phase": "Failed", "reason": "LocalNodeAgentError", "message": str(err)})
+            return
+        log = (self.logdir / f"{ns}_{name}.log").open("ab")
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=container.get("workingDir") or os.getcwd(),
+        )
+        log.close()
+        running = RunningPod(ns, name, uid, ip, proc)
+        with self._lock:
+            self.pods[uid] = running
+        started = _now()
+        self._set_status(
+            ns,
+            name,
+            {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "hostIP": "127.0.0.1",
+                "startTime": started,
+                "conditions": [
+                    {"type": t, "status": "True", "lastTransitionTime": started}
+                    for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+                ],
+                "containerStatuses": [
+                    {
+                        "name": container["name"],
+                        "image": container.get("image", ""),
+                        "imageID": "",
+                        "ready": True,
+                        "started": True,
+                        "restartCount": 0,
+                        "state": {"running": {"startedAt": started}},
+                    }
+                ],
+            },
+        )
+        threading.Thread(target=self._wait_exit, args=(running, container), daemon=True).start()
+
+    def _container_env(self, pod: dict[str, Any], container: dict[str, Any], ip: str) -> dict[str, str]:
+        fields = {
+            "metadata.name": pod["metadata"]["name"],
+            "metadata.namespace": pod["metadata"]["namespace"],
+            "metadata.uid": pod["metadata"]["uid"],
+            "spec.nodeName": pod["spec"]["nodeName"],
+            "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+            "status.podIP": ip,
+            "status.hostIP": "127.0.0.1",
+        }
+        env: dict[str, str] = {}
+        for var in container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = var["value"]
+            elif ref := var.get("valueFrom", {}).get("fieldRef"):
+                env[var["name"]] = fields.get(ref["fieldPath"], "")
+            elif ref := var.get("valueFrom", {}).get("secretKeyRef"):
+                ns = pod["metadata"]["namespace"]
+                secret = self.api.request("GET", f"/api/v1/namespaces/{ns}/secrets/{ref['name']}")
+                env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        return env
+
+    def _allocate_ip(self) -> str:
+        with self._lock:
+            n = self._next_ip
+            self._next_ip += 1
+        return f"{POD_IP_PREFIX}.{n // 250}.{n % 250 + 1}"
+
+    def _wait_exit(self, running: RunningPod, container: dict[str, Any]) -> None:
+        code = running.proc.wait()
+        exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, like a container
+        with self._lock:
+            self.pods.pop(running.uid, None)
+            self._finished.add(running.uid)
+        if running.deleting:
+            return
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+        finished = _now()
+        _log(f"pod {running.namespace}/{running.name} exited with {exit_code}")
+        self._set_status(
+            running.namespace,
+            running.name,
+            {
+                "phase": phase,
+                "conditions": [
+                    {"type": t, "status": "False", "lastTransitionTime": finished} for t in ("ContainersReady", "Ready")
+                ],
+                "containerStatuses": [
+                    {
+                        "name": container["name"],
+                        "image": container.get("image", ""),
+                        "imageID": "",
+                        "ready": False,
+                        "started": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {
+                                "exitCode": exit_code,
+                                "reason": "Completed" if exit_code == 0 else "Error",
+                                "finishedAt": finished,
+                            }
+                        },
+                    }
+                ],
+            },
+        )
+
+    def _set_status(self, ns: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            self.api.request("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status})
+        except ApiError as err:
+            if err.status != 404:
+                _log(f"status of {ns}/{name} not written: {err}")
+
+    def _delete(self, running: RunningPod, pod: dict[str, Any], already_gone: bool) -> None:
+        grace = min(float(pod["spec"].get("terminationGracePeriodSeconds", 30)), 5.0)
+        self._kill(running, grace)
+        if not already_gone:
+            self._finalize_delete(running.namespace, running.name, running.uid)
+
+    def _finalize_delete(self, ns: str, name: str, uid: str) -> None:
+        # The API server keeps a gracefully deleted pod until its kubelet confirms with grace 0.
+        with contextlib.suppress(ApiError):
+            self.api.request(
+                "DELETE",
+                f"/api/v1/namespaces/{ns}/pods/{name}",
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}},
+            )
+
+    def _kill(self, running: RunningPod, grace: float) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(running.proc.pid, signal.SIGTERM)
+        try:
+            running.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(running.proc.pid, signal.SIGKILL)
+            running.proc.wait()
+
+    def kill_pod_process(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to a running pod's process (a test's way to make a 'GPU die'); returns its pid."""
+        with self._lock:
+            pod = next((p for p in self.pods.values() if p.namespace == namespace and p.name == name), None)
+        if pod is None:
+            raise KeyError(f"no running pod {namespace}/{name} on this node agent")
+        os.killpg(pod.proc.pid, sig)
+        return pod.proc.pid

@@ -1,0 +1,122 @@
+"""The node agent runs pods bound to its nodes as real local processes: environment with
+downward-API and Secret values, a loopback pod IP of its own, Running then Succeeded or Failed
+with the exit code (137 for SIGKILL), and the process killed and the pod removed on delete."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localcluster.cluster import LocalCluster
+from localcluster.nodeagent import LOCAL_NODE_LABEL, NodeAgent
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def node_agent(local_cluster: LocalCluster) -> NodeAgent:
+    return local_cluster.add_process_nodes(1, gpus_per_node=4, prefix="proc")
+
+
+def make_pod(name: str, script: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 2,
+            "nodeSelector": {LOCAL_NODE_LABEL: "true"},
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "trainer",
+                    "command": ["python", "-c", script],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                    "env": [
+                        {"name": "PLAIN", "value": "v"},
+                        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}},
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def wait_pod(cluster: LocalCluster, ns: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        code, pod = cluster.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
+        if code == 200 and pod["status"].get("phase") == phase:
+            return pod
+        assert time.monotonic() < deadline, f"pod {name} not {phase}: {json.dumps(pod.get('status'))[:800]}"
+        time.sleep(0.1)
+
+
+def create(cluster: LocalCluster, ns: str, obj: dict[str, Any], kind: str) -> None:
+    code, body = cluster.request("POST", f"/api/v1/namespaces/{ns}/{kind}", obj)
+    assert code == 201, body
+
+
+def test_pod_runs_as_a_process_with_its_environment(
+    local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "tok"},
+        "data": {"token": base64.b64encode(b"s3cret").decode()},
+    }
+    create(local_cluster, namespace, secret, "secrets")
+    out = tmp_path / "env.json"
+    script = f"import json,os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+    create(local_cluster, namespace, make_pod("envpod", script), "pods")
+    pod = wait_pod(local_cluster, namespace, "envpod", "Succeeded")
+    env = json.loads(out.read_text())
+    assert env["PLAIN"] == "v" and env["POD_NAME"] == "envpod" and env["TOKEN"] == "s3cret"
+    assert env["POD_IP"] == pod["status"]["podIP"] and env["POD_IP"].startswith("127.65.")
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+
+def test_killed_process_fails_the_pod_with_137(
+    local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str
+) -> None:
+    pod = make_pod("victim", "import time; time.sleep(600)")
+    pod["spec"]["containers"][0]["env"] = []
+    create(local_cluster, namespace, pod, "pods")
+    wait_pod(local_cluster, namespace, "victim", "Running")
+    node_agent.kill_pod_process(namespace, "victim", signal.SIGKILL)
+    failed = wait_pod(local_cluster, namespace, "victim", "Failed")
+    assert failed["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137
+
+
+def test_deleting_the_pod_kills_its_process(local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str) -> None:
+    pod = make_pod("doomed", "import time; time.sleep(600)")
+    pod["spec"]["containers"][0]["env"] = []
+    create(local_cluster, namespace, pod, "pods")
+    wait_pod(local_cluster, namespace, "doomed", "Running")
+    [running] = [p for p in node_agent.pods.values() if p.name == "doomed"]
+    code, _ = local_cluster.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/doomed")
+    assert code == 200
+    deadline = time.monotonic() + 30
+    while local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/doomed")[0] != 404:
+        assert time.monotonic() < deadline, "pod not removed after delete"
+        time.sleep(0.1)
+    assert running.proc.poll() is not None, "process survived its pod"
+
+
+def test_pod_without_command_fails_clearly(local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str) -> None:
+    pod = make_pod("nocmd", "")
+    del pod["spec"]["containers"][0]["command"]
+    pod["spec"]["containers"][0]["env"] = []
+    create(local_cluster, namespace, pod, "pods")
+    failed = wait_pod(local_cluster, namespace, "nocmd", "Failed")
+    assert "no command" in failed["status"]["message"]
