@@ -1,0 +1,83 @@
+"""Prometheus metrics of one agent (one pod), in a registry of its own.
+
+A registry per agent (not the process-global default) lets tests run several agents in one
+process. The pod and job labels come from the scrape target, so the series carry none.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from megatron_contract.agent import AgentState
+
+PREFIX = "megatron_agent"
+RECOVERY_PHASES = ("detect", "abort", "rendezvous", "restore", "first_step")
+
+# Recovery phases range from milliseconds (gloo re-init) to minutes (checkpoint load).
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class AgentMetrics:
+    """The agent's series. Names start with ``megatron_agent_``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.epoch = Gauge(f"{PREFIX}_epoch", "Epoch of the plan the agent holds (0: none).", registry=r)
+        self.state = Gauge(
+            f"{PREFIX}_state", "1 for the agent's current state, 0 for the others.", ["state"], registry=r
+        )
+        self.step = Gauge(f"{PREFIX}_step", "Last step completed by every local worker.", registry=r)
+        self.consumed_samples = Gauge(f"{PREFIX}_consumed_samples", "Samples consumed by the job so far.", registry=r)
+        self.loss = Gauge(f"{PREFIX}_loss", "Loss of the last completed step.", registry=r)
+        self.step_time = Histogram(
+            f"{PREFIX}_step_time_seconds", "Duration of a training step.", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.last_step_time = Gauge(f"{PREFIX}_last_step_time_seconds", "Duration of the last step.", registry=r)
+        self.tokens_per_second = Gauge(f"{PREFIX}_tokens_per_second", "Job throughput at the last step.", registry=r)
+        self.recoveries = Counter(f"{PREFIX}_recoveries", "Reconfigurations this pod took part in.", registry=r)
+        self.recovery_phase = Histogram(
+            f"{PREFIX}_recovery_phase_seconds",
+            "Duration of each phase of a reconfiguration (detect, abort, rendezvous, restore, first_step).",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.last_recovery_phase = Gauge(
+            f"{PREFIX}_last_recovery_phase_seconds", "Phases of the last reconfiguration.", ["phase"], registry=r
+        )
+        self.last_recovery = Gauge(
+            f"{PREFIX}_last_recovery_seconds", "Sum of the phases of the last reconfiguration.", registry=r
+        )
+        self.worker_restarts = Counter(f"{PREFIX}_worker_restarts", "Worker processes restarted.", registry=r)
+        self.worker_kills = Counter(
+            f"{PREFIX}_worker_kills", "Worker processes killed by the agent.", ["reason"], registry=r
+        )
+        self.worker_exits = Counter(
+            f"{PREFIX}_worker_exits", "Worker processes that ended, by outcome.", ["outcome"], registry=r
+        )
+        self.workers_alive = Gauge(f"{PREFIX}_workers_alive", "Worker processes running.", registry=r)
+        self.plans = Counter(f"{PREFIX}_plans", "Plans received, by HTTP status of the answer.", ["code"], registry=r)
+        self.collective_failures = Counter(
+            f"{PREFIX}_collective_failures", "Collectives the workers reported failed or hung.", registry=r
+        )
+        self.heartbeats = Counter(f"{PREFIX}_heartbeats", "Heartbeats sent, by outcome.", ["outcome"], registry=r)
+        self.set_state(AgentState.STARTING)
+
+    def set_state(self, state: AgentState) -> None:
+        """Make ``state`` the one series at 1."""
+        for s in AgentState:
+            self.state.labels(state=s.value).set(1.0 if s is state else 0.0)
+
+    def observe_phases(self, phases: dict[str, float]) -> None:
+        """Record one reconfiguration's phase durations."""
+        self.recoveries.inc()
+        for phase, seconds in phases.items():
+            self.recovery_phase.labels(phase=phase).observe(seconds)
+            self.last_recovery_phase.labels(phase=phase).set(seconds)
+        self.last_recovery.set(sum(phases.values()))
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,234 @@
+"""Worker processes: spawn one per local slot, read their channels, notice exits and hangs.
+
+Each worker gets its own socketpair (a worker killed mid-write must not jam the others, see
+shared/FACTS.md). The agent's end is read with asyncio, so a stopped or slow worker never blocks
+the control port. A worker is dead when its channel hits EOF and its exit code is collected; it
+is hung when it is training and has sent nothing for longer than the hang timeout, and then the
+supervisor kills it (SIGKILL works on a SIGSTOPped process too). What to do about either is the
+agent's decision, through the callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from pydantic import TypeAdapter, ValidationError
+
+from megatron_contract import wire
+from megatron_trainer.agent.lifecycle import WorkerPhase, check_transition
+from megatron_trainer.channel import Progress, Shutdown, ToAgent, ToWorker
+
+log = logging.getLogger(__name__)
+
+_TO_AGENT: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
+# Worker messages are small; a line this long means a broken worker, not a big message.
+MAX_WORKER_LINE = 1024 * 1024
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerHandle:
+    """One worker process and what the agent knows about it."""
+
+    local_rank: int
+    process: asyncio.subprocess.Process
+    writer: asyncio.StreamWriter
+    generation: int = 0  # restarts of this local slot before this process
+    phase: WorkerPhase = WorkerPhase.STARTING
+    hello: bool = False
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    progress: Progress | None = None
+    exit_code: int | None = None
+    kill_reason: str | None = None
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process has not been reaped yet."""
+        return self.exit_code is None
+
+    def move_to(self, phase: WorkerPhase) -> None:
+        """Change phase through the checked transition table."""
+        self.phase = check_transition(self.phase, phase)
+
+    def send(self, message: ToWorker) -> bool:
+        """Queue a message for the worker; False when its channel is already closed.
+
+        Never waits: a stopped worker must not block the agent, and the transport buffers.
+        """
+        if self.writer.is_closing() or not self.alive:
+            return False
+        try:
+            self.writer.write((json.dumps(message.to_wire()) + "\n").encode())
+        except (ConnectionError, RuntimeError) as err:
+            log.warning("worker %d: cannot send %s: %s", self.local_rank, message.type, err)
+            return False
+        return True
+
+
+MessageHandler = Callable[[WorkerHandle, ToAgent], None]
+ExitHandler = Callable[[WorkerHandle], None]
+
+
+class WorkerSupervisor:
+    """Spawns and watches the pod's workers."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        hang_timeout_seconds: float,
+        on_message: MessageHandler,
+        on_exit: ExitHandler,
+    ) -> None:
+        self.command = tuple(command)
+        self.env = dict(env)
+        self.hang_timeout_seconds = hang_timeout_seconds
+        self._on_message = on_message
+        self._on_exit = on_exit
+        self.workers: dict[int, WorkerHandle] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+
+    async def spawn(self, local_rank: int, generation: int = 0) -> WorkerHandle:
+        """Start the worker of one local slot and begin reading its channel."""
+        ours, theirs = socket.socketpair()
+        try:
+            fd = theirs.fileno()
+            process = await asyncio.create_subprocess_exec(
+                *self.command,
+                "--channel-fd",
+                str(fd),
+                "--local-rank",
+                str(local_rank),
+                pass_fds=(fd,),
+                env=self.env,
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the child holds its copy; ours must go so EOF reaches it when we die
+        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=MAX_WORKER_LINE)
+        handle = WorkerHandle(local_rank=local_rank, process=process, writer=writer, generation=generation)
+        self.workers[local_rank] = handle
+        handle.pump = asyncio.create_task(self._pump(handle, reader), name=f"worker-{local_rank}")
+        log.info("worker %d started (pid %d, generation %d)", local_rank, process.pid, generation)
+        return handle
+
+    async def _pump(self, handle: WorkerHandle, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    log.error(
+                        "worker %d sent a line over %d bytes; closing its channel", handle.local_rank, MAX_WORKER_LINE
+                    )
+                    break
+                except ConnectionError:
+                    break
+                if not line:
+                    break  # EOF: the worker exited (or closed its end)
+                try:
+                    message = _TO_AGENT.validate_json(line)
+                except ValidationError as err:
+                    log.warning("worker %d: unreadable message %r: %s", handle.local_rank, line[:200], err)
+                    continue
+                handle.last_seen = time.monotonic()
+                try:
+                    self._on_message(handle, message)
+                except Exception:
+                    log.exception("worker %d: handling %s failed", handle.local_rank, message.type)
+        finally:
+            handle.exit_code = await handle.process.wait()
+            handle.writer.close()
+            log.log(
+                logging.INFO if handle.exit_code == 0 else logging.WARNING,
+                "worker %d (pid %d) exited with %d%s",
+                handle.local_rank,
+                handle.pid,
+                handle.exit_code,
+                f" ({handle.kill_reason})" if handle.kill_reason else "",
+            )
+            self._on_exit(handle)
+
+    # -- hangs -----------------------------------------------------------------------------------
+
+    def find_hung(self, now: float) -> list[WorkerHandle]:
+        """Training workers silent for longer than the hang timeout."""
+        return [
+            h
+            for h in self.workers.values()
+            if h.alive
+            and h.kill_reason is None
+            and h.phase is WorkerPhase.TRAINING
+            and now - h.last_seen > self.hang_timeout_seconds
+        ]
+
+    def kill(self, handle: WorkerHandle, reason: str) -> None:
+        """SIGKILL a worker; its exit is reported through the exit callback like any other."""
+        if not handle.alive:
+            return
+        handle.kill_reason = reason
+        log.warning("killing worker %d (pid %d): %s", handle.local_rank, handle.pid, reason)
+        with contextlib.suppress(ProcessLookupError):
+            handle.process.kill()
+
+    def start_watchdog(self, on_hung: Callable[[WorkerHandle, float], None]) -> None:
+        """Check for hung workers several times per hang timeout."""
+
+        async def watch() -> None:
+            period = min(1.0, self.hang_timeout_seconds / 5)
+            while True:
+                await asyncio.sleep(period)
+                now = time.monotonic()
+                for handle in self.find_hung(now):
+                    on_hung(handle, now - handle.last_seen)
+
+        self._watchdog = asyncio.create_task(watch(), name="hang-watchdog")
+
+    # -- shutdown --------------------------------------------------------------------------------
+
+    async def shutdown(self, reason: str, grace_seconds: float) -> None:
+        """Ask every live worker to finish, then SIGTERM, then SIGKILL whoever is left."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        live = [h for h in self.workers.values() if h.alive]
+        for handle in live:
+            handle.send(Shutdown(reason=reason))
+        for sig, wait in ((None, grace_seconds), (signal.SIGTERM, grace_seconds / 2), (signal.SIGKILL, 5.0)):
+            live = [h for h in live if h.alive]
+            if not live:
+                break
+            if sig is not None:
+                for handle in live:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(handle.pid, sig)
+            pumps = [h.pump for h in live if h.pump is not None]
+            await asyncio.wait(pumps, timeout=wait)
+        for handle in self.workers.values():
+            if handle.pump is not None and not handle.pump.done():
+                handle.pump.cancel()
+
+
+def worker_environment(base: Mapping[str, str], spec_json: str, pod_name: str) -> dict[str, str]:
+    """The workers' environment: the agent's own plus the spec and pod name the worker reads."""
+    env = dict(base)
+    env[wire.ENV_JOB_SPEC] = spec_json
+    env[wire.ENV_POD_NAME] = pod_name
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
