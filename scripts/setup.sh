@@ -28,7 +28,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 
-# Install the dependencies when pyproject.toml's dependency lists change.
+# Install the dependencies when pyproject.toml's dependency lists or constraints.txt change.
 REQS=$("$VENV/bin/python" - <<'PY'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
@@ -39,14 +39,16 @@ print("\n".join(deps))
 PY
 )
 STAMP="$VENV/.megatron-operator-deps"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$REQS" ]; then
+WANT="$REQS
+$(cat constraints.txt)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "setup: installing Python dependencies into $VENV (first run downloads torch, a few GB)"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     printf '%s\n' "$REQS" > "$CACHE/requirements.txt"
     # pipefail keeps pip's exit status; grep only trims the noise.
-    "$VENV/bin/python" -m pip install --progress-bar off -r "$CACHE/requirements.txt" \
+    "$VENV/bin/python" -m pip install --progress-bar off -r "$CACHE/requirements.txt" -c constraints.txt \
         | { grep -v "^Requirement already satisfied" || true; }
-    printf '%s' "$REQS" > "$STAMP"
+    printf '%s' "$WANT" > "$STAMP"
 fi
 
 # Control-plane binaries (first run builds them from Go modules: ~6 minutes on 2 cores).
