@@ -50,7 +50,7 @@ ENV_POD_IP = "MEGATRON_POD_IP"
 ENV_POD_ROLE = "MEGATRON_POD_ROLE"
 ENV_OPERATOR_URL = "MEGATRON_OPERATOR_URL"
 ENV_GPUS_PER_POD = "MEGATRON_GPUS_PER_POD"
-ENV_JOB_SPEC = "MEGATRON_JOB_SPEC"  # the spec's model/training/checkpoint sections as JSON
+ENV_JOB_SPEC = "MEGATRON_JOB_SPEC"  # the whole MegatronJobSpec as JSON: spec.to_wire()
 ENV_HEARTBEAT_INTERVAL = "MEGATRON_HEARTBEAT_INTERVAL_SECONDS"
 
 # Every agent hosts a TCPStore server on RENDEZVOUS_PORT at its pod address (the agent outlives its
