@@ -47,7 +47,6 @@ TOKEN = "test-token-" + "x" * 24
 SOURCE_ROOTS = ["contract", "operator", "trainer", "localcluster"]
 
 
-
 def wait_for[T](condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll ``condition`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout

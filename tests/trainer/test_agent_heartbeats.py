@@ -1,0 +1,91 @@
+"""Heartbeats from a real agent process to a recording endpoint that plays the operator.
+
+Scenarios:
+- before any plan the agent reports epoch 0, state spare, healthy, with the job's bearer token
+  (the endpoint refuses anything else and counts it);
+- after a plan: epoch, state training, rising step and consumed samples, the worker's global rank;
+- a worker's CollectiveFailed reaches the operator at once as a failed peer naming the peer's
+  rank and pod (resolved from the plan), and is not repeated once acknowledged;
+- the epoch in the operator's answer is recorded (an agent that missed a push shows it);
+- the next plan resumes training from its resume step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_harness import (
+    JOB_UID,
+    AgentProcess,
+    PodAddress,
+    RecordingOperator,
+    make_plan,
+    make_spec,
+    running_agents,
+)
+
+from megatron_contract.agent import AgentState
+from megatron_contract.mesh import PlanReason
+
+SPEC = make_spec(replicas=2, heartbeat_interval=0.2)
+OTHER = PodAddress("pod-b", "127.0.0.9")
+FAIL_AT_STEP = 20
+
+
+@pytest.fixture
+def operator() -> Iterator[RecordingOperator]:
+    recorder = RecordingOperator()
+    yield recorder
+    recorder.close()
+
+
+def test_heartbeats_carry_epoch_step_and_failed_peers(operator: RecordingOperator, tmp_path: Path) -> None:
+    agent = AgentProcess(
+        "pod-a",
+        SPEC,
+        tmp_path,
+        operator_url=operator.url,
+        extra_env={"AGENT_FAKE_COLLECTIVE_FAIL_AT_STEP": str(FAIL_AT_STEP), "AGENT_FAKE_PEER_RANK": "1"},
+    )
+    with running_agents([agent]):
+        first = operator.wait_report("pod-a", lambda r: r.state is AgentState.SPARE, 30, "state spare")
+        assert (first.epoch, first.healthy, first.step, first.job_uid) == (0, True, None, JOB_UID)
+        assert first.workers[0].local_rank == 0 and first.workers[0].rank is None
+
+        status, _ = agent.post_plan(make_plan(SPEC, [agent.pod, OTHER], epoch=1))
+        assert status == 200
+        training = operator.wait_report(
+            "pod-a", lambda r: r.state is AgentState.TRAINING and (r.step or 0) >= 3, 15, "training steps"
+        )
+        assert training.epoch == 1 and training.workers[0].rank == 0
+        assert training.consumed_samples == training.step * SPEC.training.global_batch_size  # type: ignore[operator]
+        assert training.loss is not None and training.tokens_per_second and training.step_time_seconds
+
+        failed = operator.wait_report("pod-a", lambda r: bool(r.failed_peers), 15, "a failed peer")
+        peer = failed.failed_peers[0]
+        assert (peer.epoch, peer.rank, peer.pod) == (1, 1, "pod-b")
+        assert "peer reset" in peer.reason and peer.detected_at is not None
+        assert failed.state is AgentState.RECONFIGURING and failed.healthy
+        # Acknowledged once, never repeated: later reports carry no failed peer.
+        count = len(operator.reports_from("pod-a"))
+        later = operator.wait_report(
+            "pod-a", lambda r: operator.reports_from("pod-a").index(r) > count + 2, 15, "later reports"
+        )
+        assert [r for r in operator.reports_from("pod-a")[count:] if r.failed_peers] == []
+        assert later.failed_peers == []
+
+        operator.epoch = 2  # the operator has moved on: the agent shows it missed a push
+        agent.wait_state(lambda s: s["operatorEpoch"] == 2, 10, "the operator's epoch recorded")
+
+        plan = make_plan(SPEC, [agent.pod, OTHER], epoch=2, reason=PlanReason.REPLACE, resume_step=FAIL_AT_STEP)
+        assert agent.post_plan(plan)[0] == 200
+        resumed = operator.wait_report(
+            "pod-a", lambda r: r.epoch == 2 and (r.step or 0) > FAIL_AT_STEP, 15, "steps in epoch 2"
+        )
+        assert resumed.state is AgentState.TRAINING
+        assert min(r.step or 0 for r in operator.reports_from("pod-a") if r.epoch == 2 and r.step) > FAIL_AT_STEP
+        assert operator.refused == 0
+        # The replace plan's reconfiguration counts as a recovery; the initial one does not.
+        assert "megatron_agent_recoveries_total 1.0" in agent.metrics()

@@ -1,0 +1,198 @@
+"""Pure rules of the agent, without processes.
+
+Scenarios:
+- plan acceptance: a missing, malformed or wrong bearer token is 401; a declared or actual body
+  over ``wire.MAX_BODY_BYTES`` is 413; garbage, an invalid mesh, another job's plan or another
+  gpusPerPod is 400 with a message naming the problem; an epoch not newer than the held one is
+  409; a good plan parses;
+- worker lifecycle: allowed transitions pass, forbidden ones raise; the pod state derived from
+  workers' phases (failure dominates, slowest worker wins, mixed is reconfiguring);
+- settings: read from an environment mapping with defaults from the spec; each missing or
+  malformed variable is named in the error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from agent_harness import JOB_UID, TOKEN, PodAddress, make_plan, make_spec
+
+from megatron_contract import wire
+from megatron_contract.agent import AgentState
+from megatron_trainer.agent.lifecycle import LifecycleError, WorkerPhase, check_transition, pod_state
+from megatron_trainer.agent.plan_acceptance import (
+    PlanRejected,
+    check_declared_size,
+    check_epoch,
+    check_token,
+    parse_plan,
+)
+from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError
+
+PODS = [PodAddress("p0", "127.0.0.1"), PodAddress("p1", "127.0.0.2")]
+
+
+def plan_bytes(**changes: object) -> bytes:
+    doc = make_plan(make_spec(), PODS).to_wire()
+    doc.update(changes)
+    return json.dumps(doc).encode()
+
+
+def rejected(call: object, *args: object, **kwargs: object) -> PlanRejected:
+    with pytest.raises(PlanRejected) as info:
+        call(*args, **kwargs)  # type: ignore[operator]
+    return info.value
+
+
+# -- token ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {wire.AUTH_HEADER: ""},
+        {wire.AUTH_HEADER: TOKEN},
+        {wire.AUTH_HEADER: f"Basic {TOKEN}"},
+        {wire.AUTH_HEADER: "Bearer "},
+        {wire.AUTH_HEADER: "Bearer wrong-token"},
+        {wire.AUTH_HEADER: f"Bearer {TOKEN}x"},
+    ],
+    ids=["absent", "empty", "no-scheme", "basic", "bearer-empty", "wrong", "longer"],
+)
+def test_bad_token_is_401(headers: dict[str, str]) -> None:
+    assert rejected(check_token, headers, TOKEN).status == 401
+
+
+def test_good_token_passes_any_scheme_case() -> None:
+    check_token({wire.AUTH_HEADER: f"Bearer {TOKEN}"}, TOKEN)
+    check_token({wire.AUTH_HEADER: f"bearer {TOKEN}"}, TOKEN)
+
+
+# -- size and shape -------------------------------------------------------------------------------
+
+
+def test_oversized_body_is_413_declared_or_actual() -> None:
+    assert rejected(check_declared_size, wire.MAX_BODY_BYTES + 1).status == 413
+    check_declared_size(wire.MAX_BODY_BYTES)
+    check_declared_size(None)
+    big = b" " * (wire.MAX_BODY_BYTES + 1)
+    assert rejected(parse_plan, big, job_uid=JOB_UID, gpus_per_pod=1).status == 413
+
+
+@pytest.mark.parametrize(
+    ("body", "expect"),
+    [
+        (b"", "empty body"),
+        (b"{not json", "not a valid MeshPlan"),
+        (b"[]", "not a valid MeshPlan"),
+        (plan_bytes(epoch=0), "epoch"),
+        (plan_bytes(surprise=1), "surprise"),
+        (plan_bytes(sizes={"world": 3, "tp": 1, "pp": 1, "cp": 1, "dp": 2}), "world 3"),
+        (plan_bytes(jobUid="someone-else"), "plan is for job someone-else"),
+        (plan_bytes(gpusPerPod=2), "not a valid MeshPlan"),
+    ],
+    ids=["empty", "garbage", "array", "epoch0", "unknown-field", "bad-world", "other-job", "bad-gpus"],
+)
+def test_malformed_plan_is_400(body: bytes, expect: str) -> None:
+    refusal = rejected(parse_plan, body, job_uid=JOB_UID, gpus_per_pod=1)
+    assert refusal.status == 400
+    assert expect in refusal.reason
+
+
+def test_plan_for_another_pod_size_is_400() -> None:
+    refusal = rejected(parse_plan, plan_bytes(), job_uid=JOB_UID, gpus_per_pod=2)
+    assert (refusal.status, "gpusPerPod 1" in refusal.reason) == (400, True)
+
+
+def test_stale_epoch_is_409_and_newer_passes() -> None:
+    plan = parse_plan(plan_bytes(epoch=3), job_uid=JOB_UID, gpus_per_pod=1)
+    assert plan.epoch == 3
+    assert rejected(check_epoch, plan, 3).status == 409
+    assert rejected(check_epoch, plan, 7).status == 409
+    check_epoch(plan, 2)
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+
+
+def test_transitions_follow_the_table() -> None:
+    assert check_transition(WorkerPhase.STARTING, WorkerPhase.SPARE) is WorkerPhase.SPARE
+    assert check_transition(WorkerPhase.TRAINING, WorkerPhase.RECONFIGURING) is WorkerPhase.RECONFIGURING
+    for current, new in [
+        (WorkerPhase.STARTING, WorkerPhase.TRAINING),  # no Hello yet
+        (WorkerPhase.FAILED, WorkerPhase.TRAINING),  # a dead worker stays dead
+        (WorkerPhase.SUCCEEDED, WorkerPhase.TRAINING),
+    ]:
+        with pytest.raises(LifecycleError, match=f"from {current.value} to {new.value}"):
+            check_transition(current, new)
+
+
+@pytest.mark.parametrize(
+    ("phases", "state"),
+    [
+        ([], AgentState.STARTING),
+        ([WorkerPhase.STARTING, WorkerPhase.SPARE], AgentState.STARTING),
+        ([WorkerPhase.SPARE, WorkerPhase.SPARE], AgentState.SPARE),
+        ([WorkerPhase.TRAINING, WorkerPhase.TRAINING], AgentState.TRAINING),
+        ([WorkerPhase.TRAINING, WorkerPhase.RECONFIGURING], AgentState.RECONFIGURING),
+        ([WorkerPhase.TRAINING, WorkerPhase.SPARE], AgentState.RECONFIGURING),
+        ([WorkerPhase.TRAINING, WorkerPhase.SUCCEEDED], AgentState.TRAINING),
+        ([WorkerPhase.SUCCEEDED, WorkerPhase.SUCCEEDED], AgentState.SUCCEEDED),
+        ([WorkerPhase.SUCCEEDED, WorkerPhase.FAILED], AgentState.FAILED),
+        ([WorkerPhase.TRAINING, WorkerPhase.FAILED], AgentState.FAILED),
+    ],
+)
+def test_pod_state_from_worker_phases(phases: list[WorkerPhase], state: AgentState) -> None:
+    assert pod_state(phases) is state
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+
+def make_env(**changes: str | None) -> dict[str, str]:
+    env = {
+        wire.ENV_JOB_UID: JOB_UID,
+        wire.ENV_JOB_TOKEN: TOKEN,
+        wire.ENV_POD_NAME: "p0",
+        wire.ENV_POD_IP: "127.0.0.5",
+        wire.ENV_JOB_SPEC: json.dumps(make_spec(gpus_per_pod=2, tp=2, collective_timeout=12).to_wire()),
+    }
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def test_settings_defaults_come_from_the_spec() -> None:
+    settings = AgentSettings.from_env(make_env())
+    assert settings.gpus_per_pod == 2
+    assert settings.hang_timeout_seconds == 12
+    assert settings.heartbeat_interval_seconds == 0.2
+    assert (settings.agent_port, settings.rendezvous_port) == (wire.AGENT_PORT, wire.RENDEZVOUS_PORT)
+    assert settings.worker_command == DEFAULT_WORKER_COMMAND
+    assert settings.report_url is None
+    assert TOKEN not in repr(settings)
+    with_operator = AgentSettings.from_env(make_env(**{wire.ENV_OPERATOR_URL: "http://op:29500/"}))
+    assert with_operator.report_url == "http://op:29500" + wire.OPERATOR_REPORT_PATH
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({wire.ENV_JOB_TOKEN: None}, wire.ENV_JOB_TOKEN),
+        ({wire.ENV_JOB_UID: ""}, wire.ENV_JOB_UID),
+        ({wire.ENV_POD_NAME: None}, wire.ENV_POD_NAME),
+        ({wire.ENV_JOB_SPEC: None}, wire.ENV_JOB_SPEC),
+        ({wire.ENV_JOB_SPEC: '{"replicas": 0}'}, wire.ENV_JOB_SPEC),
+        ({wire.ENV_GPUS_PER_POD: "two"}, wire.ENV_GPUS_PER_POD),
+        ({"MEGATRON_WORKER_COMMAND": '"python"'}, "MEGATRON_WORKER_COMMAND"),
+        ({wire.ENV_HEARTBEAT_INTERVAL: "-1"}, "heartbeat_interval_seconds"),
+    ],
+)
+def test_settings_errors_name_the_variable(changes: dict[str, str | None], named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        AgentSettings.from_env(make_env(**changes))
