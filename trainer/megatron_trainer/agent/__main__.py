@@ -55,6 +55,9 @@ def main() -> int:
     except SettingsError as err:
         log.error("%s", err)
         return 2
+    if sys.argv[1:]:
+        # spec.args reach the container's command line; workers get their settings from the spec.
+        log.warning("ignoring command-line arguments %s: the agent is configured by environment", sys.argv[1:])
     log.info(
         "agent for pod %s of job %s (%s): %d worker(s), control %s:%d, store port %d",
         settings.pod_name,
