@@ -22,6 +22,7 @@ ENV_CACHE_DIR = "MEGATRON_OPERATOR_CACHE"
 KUBERNETES_VERSION = "v1.33.13"
 ETCD_VERSION = "v3.5.35"
 KWOK_VERSION = "v0.7.0"
+HELM_VERSION = "v3.21.4"
 
 #: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
 _STAGING_MODULES = [
@@ -107,7 +108,8 @@ CONTROL_PLANE = (
     _k8s("kube-controller-manager"),
 )
 KWOK = Component("kwok", "sigs.k8s.io/kwok", KWOK_VERSION, "sigs.k8s.io/kwok/cmd/kwok")
-ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK)}
+HELM = Component("helm", "helm.sh/helm/v3", HELM_VERSION, "helm.sh/helm/v3/cmd/helm")
+ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM)}
 
 
 def cache_dir() -> Path:
@@ -177,8 +179,11 @@ def _run_with_progress(cmd: list[str], cwd: Path, env: dict[str, str], name: str
 
 
 def build_all(names: list[str] | None = None) -> dict[str, Path]:
-    """Build (or find cached) every named component; all control-plane parts by default."""
-    chosen = [ALL[n] for n in names] if names else list(CONTROL_PLANE)
+    """Build (or find cached) every named component; all of them (control plane, kwok, helm) by default."""
+    unknown = sorted(set(names or ()) - set(ALL))
+    if unknown:
+        raise BuildError(f"unknown component(s) {', '.join(unknown)}; known: {', '.join(ALL)}")
+    chosen = [ALL[n] for n in names] if names else list(ALL.values())
     return {c.name: build(c) for c in chosen}
 
 
