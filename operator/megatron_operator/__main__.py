@@ -1,0 +1,58 @@
+"""``python -m megatron_operator``: elect a leader, then run the kopf operator.
+
+Configuration comes from the environment (:mod:`.settings`); ``KUBECONFIG`` or the in-cluster
+service account gives the credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+
+import kopf
+
+from megatron_operator import handlers, kube
+from megatron_operator.leader import LeaderElector
+from megatron_operator.settings import OperatorSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the operator until it is told to stop."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    settings = OperatorSettings()
+    kube.configure(os.environ.get("KUBECONFIG"))
+    handlers.configure(settings)
+    if settings.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port)
+    elector = None
+    if settings.leader_election:
+        identity = settings.identity or f"{socket.gethostname()}-{os.getpid()}"
+        elector = LeaderElector(settings.lease_namespace, settings.lease_name, identity, settings.lease_seconds)
+        elector.acquire()
+    namespaces = settings.namespace_list
+    logging.info("starting the operator (%s)", ", ".join(namespaces) if namespaces else "all namespaces")
+    try:
+        asyncio.run(
+            kopf.operator(
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                standalone=True,
+            )
+        )
+    finally:
+        if elector is not None:
+            elector.release()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

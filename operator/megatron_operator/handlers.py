@@ -1,0 +1,154 @@
+"""kopf handlers: thin. They keep the pod and node indexes, run one controller per job, and wake it.
+
+Everything they decide is decided by pure modules (:mod:`.reconcile`, :mod:`.planner`,
+:mod:`.status`); everything they change goes through :mod:`.kube`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from megatron_contract import wire
+from megatron_contract.agent import AgentReport
+from megatron_operator.builders import JobRef
+from megatron_operator.controller import JobController
+from megatron_operator.failures import PodFacts, node_ready_status
+from megatron_operator.heartbeats import HeartbeatBook
+from megatron_operator.push import PlanPusher
+from megatron_operator.reports import start_server
+from megatron_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+
+class Registry:
+    """The operator's in-memory state: controllers by job, heartbeats, the indexes, the pusher."""
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        self.book = HeartbeatBook()
+        self.pusher = PlanPusher(timeout=settings.push_timeout_seconds)
+        self.by_uid: dict[str, JobController] = {}
+        self.by_key: dict[tuple[str, str], JobController] = {}
+        self.pods_index: Any = None
+        self.nodes_index: Any = None
+        self.runner: Any = None
+
+    # ReportSink
+    def token_for(self, job_uid: str) -> str | None:
+        ctl = self.by_uid.get(job_uid)
+        return ctl.token if ctl is not None else None
+
+    def accept_reports(self, job_uid: str, reports: list[AgentReport]) -> int:
+        now = time.monotonic()
+        for report in reports:
+            self.book.record(report, now)
+        return self.by_uid[job_uid].accept_reports(reports)
+
+    def pods_of(self, namespace: str, name: str) -> list[PodFacts]:
+        if self.pods_index is None:
+            return []
+        store = self.pods_index.get((namespace, name))
+        return list(store) if store is not None else []
+
+    def node_readiness(self) -> dict[str, str]:
+        if self.nodes_index is None:
+            return {}
+        return {name: next(iter(store)) for name, store in self.nodes_index.items()}
+
+    def wake(self, namespace: str, name: str) -> None:
+        ctl = self.by_key.get((namespace, name))
+        if ctl is not None:
+            ctl.wake.set()
+
+    def wake_all(self) -> None:
+        for ctl in self.by_uid.values():
+            ctl.wake.set()
+
+
+REGISTRY = Registry(OperatorSettings())
+
+
+def configure(settings: OperatorSettings) -> Registry:
+    """Replace the registry's settings (called by ``__main__`` before kopf starts)."""
+    global REGISTRY
+    REGISTRY = Registry(settings)
+    return REGISTRY
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # kopf's bookkeeping lives in annotations under our group, so status holds only our schema.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=wire.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=wire.GROUP)
+    settings.persistence.finalizer = f"{wire.GROUP}/kopf-finalizer"
+    # Only warnings of kopf's own become events; ours are posted explicitly after status writes.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 30
+    # Leader election (see leader.py) keeps a single acting replica; kopf's peering is not needed.
+    settings.peering.standalone = True
+    REGISTRY.runner = await start_server(REGISTRY, REGISTRY.settings.report_host, REGISTRY.settings.report_port)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if REGISTRY.runner is not None:
+        await REGISTRY.runner.cleanup()
+    await REGISTRY.pusher.close()
+
+
+@kopf.index("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
+def pods_by_job(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[tuple[str, str], PodFacts]:
+    """The job's pods, keyed by (namespace, job name): the actual state every decision starts from."""
+    return {(namespace, labels[wire.LABEL_JOB]): PodFacts.of(body)}
+
+
+@kopf.index("nodes")
+def node_readiness(name: str, body: Any, **_: Any) -> dict[str, str]:
+    """Ready status of every node."""
+    return {name: node_ready_status(body)}
+
+
+@kopf.on.event("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
+def pod_event(namespace: str, labels: dict[str, str], pods_by_job: Any, **_: Any) -> None:
+    REGISTRY.pods_index = pods_by_job
+    REGISTRY.wake(namespace, labels[wire.LABEL_JOB])
+
+
+@kopf.on.event("nodes")
+def node_event(node_readiness: Any, type: str | None, **_: Any) -> None:
+    REGISTRY.nodes_index = node_readiness
+    if type is not None:  # not the initial listing
+        REGISTRY.wake_all()
+
+
+@kopf.daemon(wire.GROUP, wire.VERSION, wire.PLURAL, cancellation_timeout=2.0)
+async def job_daemon(body: Any, stopped: Any, pods_by_job: Any, node_readiness: Any, **_: Any) -> None:
+    """One controller per job, for as long as the job exists."""
+    REGISTRY.pods_index = pods_by_job
+    REGISTRY.nodes_index = node_readiness
+    job = JobRef.of(body)
+    key = (job.namespace, job.name)
+    ctl = JobController(
+        job,
+        body,
+        REGISTRY.settings,
+        REGISTRY.book,
+        REGISTRY.pusher,
+        pods_of=lambda: REGISTRY.pods_of(*key),
+        nodes=REGISTRY.node_readiness,
+    )
+    REGISTRY.by_uid[job.uid] = ctl
+    REGISTRY.by_key[key] = ctl
+    try:
+        await ctl.run(stopped)
+    finally:
+        REGISTRY.by_uid.pop(job.uid, None)
+        if REGISTRY.by_key.get(key) is ctl:
+            REGISTRY.by_key.pop(key, None)
+        REGISTRY.book.forget(job.uid)

@@ -1,0 +1,96 @@
+"""Agent heartbeats, kept in memory only (no API-server write per heartbeat).
+
+One operator replica must keep up with a 4096-pod job: a report costs a dict update, and the
+deadline check is a pass over the members of a plan when the job reconciles. A pod's watchdog is
+armed by its first heartbeat, so a restarted operator (which has forgotten every heartbeat) and a
+pod whose agent has not started yet are never declared failed for silence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from megatron_contract.agent import AgentReport, AgentState
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """The last report of one pod's agent and when it arrived (monotonic seconds)."""
+
+    report: AgentReport
+    received: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Accusation:
+    """A survivor's word that a collective with ``pod`` (or ``rank``) failed in ``epoch``."""
+
+    epoch: int
+    reporter: str
+    pod: str | None
+    rank: int | None
+    reason: str
+
+
+class HeartbeatBook:
+    """The last heartbeat of every agent, and the failed peers they reported, by job UID."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, dict[str, Heartbeat]] = {}
+        self._accusations: dict[str, list[Accusation]] = {}
+
+    def record(self, report: AgentReport, now: float) -> None:
+        """Store a report (replacing the pod's previous one)."""
+        self._last.setdefault(report.job_uid, {})[report.pod] = Heartbeat(report, now)
+        if report.failed_peers:
+            found = self._accusations.setdefault(report.job_uid, [])
+            for peer in report.failed_peers:
+                found.append(Accusation(peer.epoch, report.pod, peer.pod, peer.rank, peer.reason))
+            del found[:-1024]  # a bounded memory of accusations per job
+
+    def last(self, job_uid: str, pod: str) -> Heartbeat | None:
+        """The last heartbeat of a pod, if any."""
+        return self._last.get(job_uid, {}).get(pod)
+
+    def missing(self, job_uid: str, pods: Iterable[str], timeout: float, now: float) -> list[str]:
+        """Pods among ``pods`` whose last heartbeat is older than ``timeout`` (armed pods only)."""
+        seen = self._last.get(job_uid, {})
+        return [p for p in pods if p in seen and now - seen[p].received > timeout]
+
+    def self_reported_failed(self, job_uid: str, pods: Iterable[str]) -> list[str]:
+        """Pods whose agent says it is unhealthy or failed."""
+        seen = self._last.get(job_uid, {})
+        return [
+            p for p in pods if p in seen and (not seen[p].report.healthy or seen[p].report.state is AgentState.FAILED)
+        ]
+
+    def accusations(self, job_uid: str, epoch: int) -> list[Accusation]:
+        """Failed peers reported for ``epoch``."""
+        return [a for a in self._accusations.get(job_uid, []) if a.epoch == epoch]
+
+    def completed_step(self, job_uid: str, pods: Iterable[str]) -> int | None:
+        """The last step every reporting pod among ``pods`` completed (None when none reported one)."""
+        seen = self._last.get(job_uid, {})
+        steps = [seen[p].report.step for p in pods if p in seen and seen[p].report.step is not None]
+        return min(s for s in steps if s is not None) if steps else None
+
+    def epochs(self, job_uid: str) -> dict[str, int]:
+        """The plan epoch each reporting pod holds."""
+        return {pod: hb.report.epoch for pod, hb in self._last.get(job_uid, {}).items()}
+
+    def succeeded(self, job_uid: str, pods: Iterable[str]) -> bool:
+        """Whether every pod among ``pods`` reported that training finished."""
+        seen = self._last.get(job_uid, {})
+        names = list(pods)
+        return bool(names) and all(p in seen and seen[p].report.state is AgentState.SUCCEEDED for p in names)
+
+    def forget(self, job_uid: str, pods: Iterable[str] | None = None) -> None:
+        """Drop what is known of some pods of a job (all of the job when ``pods`` is None)."""
+        if pods is None:
+            self._last.pop(job_uid, None)
+            self._accusations.pop(job_uid, None)
+            return
+        seen = self._last.get(job_uid, {})
+        for p in pods:
+            seen.pop(p, None)

@@ -1,0 +1,229 @@
+"""The one module that talks to the API server.
+
+Calls go through the official (synchronous) client on a bounded thread pool, so the kopf event
+loop never blocks. Writes that may conflict (status, the serial reservation) carry the
+resourceVersion they were computed from and are retried on 409 with a fresh read; creates are
+idempotent (AlreadyExists is success) so that a restarted operator can repeat them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import kopf
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from megatron_contract import wire
+from megatron_operator.builders import ANNOTATION_NEXT_SERIAL
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kube")
+_api: client.ApiClient | None = None
+CONFLICT_RETRIES = 8
+
+
+class KubeError(RuntimeError):
+    """An API call failed for a reason retrying will not fix."""
+
+
+def configure(kubeconfig: str | None = None) -> client.ApiClient:
+    """Load credentials (in-cluster, or a kubeconfig) once; returns the shared ApiClient."""
+    global _api
+    if _api is not None:
+        return _api
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig)
+    cfg = client.Configuration.get_default_copy()
+    cfg.connection_pool_maxsize = 32
+    _api = client.ApiClient(cfg)
+    return _api
+
+
+def _core() -> client.CoreV1Api:
+    return client.CoreV1Api(configure())
+
+
+def _custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(configure())
+
+
+async def _call[T](fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_executor, functools.partial(fn, *args, **kwargs))
+
+
+def _exists_ok(exc: ApiException) -> bool:
+    return exc.status == 409
+
+
+async def create_pod(body: dict[str, Any]) -> bool:
+    """Create a pod; False when a pod of that name already exists."""
+    try:
+        await _call(_core().create_namespaced_pod, body["metadata"]["namespace"], body)
+    except ApiException as exc:
+        if _exists_ok(exc):
+            return False
+        raise
+    return True
+
+
+async def delete_pod(namespace: str, name: str, *, force: bool = False) -> None:
+    """Delete a pod (gone already is fine); ``force`` skips the grace period."""
+    grace = 0 if force else None
+    try:
+        await _call(_core().delete_namespaced_pod, name, namespace, grace_period_seconds=grace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+async def patch_pod_labels(namespace: str, name: str, labels: dict[str, str | None]) -> None:
+    """Merge labels into a pod (None removes one); a pod gone meanwhile is ignored."""
+    try:
+        await _call(_core().patch_namespaced_pod, name, namespace, {"metadata": {"labels": labels}})
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+async def ensure_service(body: dict[str, Any]) -> None:
+    """Create the headless Service unless it exists."""
+    try:
+        await _call(_core().create_namespaced_service, body["metadata"]["namespace"], body)
+    except ApiException as exc:
+        if not _exists_ok(exc):
+            raise
+
+
+async def ensure_secret(body: dict[str, Any]) -> str:
+    """Create the token Secret unless it exists; returns the token it holds."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        await _call(_core().create_namespaced_secret, namespace, body)
+        return str(body["stringData"][wire.TOKEN_SECRET_KEY])
+    except ApiException as exc:
+        if not _exists_ok(exc):
+            raise
+    return await read_token(namespace, name)
+
+
+async def read_token(namespace: str, name: str) -> str:
+    """The token in a job's Secret."""
+    secret = await _call(_core().read_namespaced_secret, name, namespace)
+    data = secret.data or {}
+    if wire.TOKEN_SECRET_KEY not in data:
+        raise KubeError(f"secret {namespace}/{name} has no key {wire.TOKEN_SECRET_KEY!r}")
+    return base64.b64decode(data[wire.TOKEN_SECRET_KEY]).decode()
+
+
+async def get_job(namespace: str, name: str) -> dict[str, Any]:
+    """The MegatronJob as stored now."""
+    job: dict[str, Any] = await _call(
+        _custom().get_namespaced_custom_object, wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name
+    )
+    return job
+
+
+async def replace_status(namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    """Write a job's status whole (PUT on the status subresource), retrying conflicts with a fresh read.
+
+    Returns the job as stored after the write.
+    """
+    for attempt in range(CONFLICT_RETRIES):
+        job = await get_job(namespace, name)
+        job["status"] = status
+        try:
+            stored: dict[str, Any] = await _call(
+                _custom().replace_namespaced_custom_object_status,
+                wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name, job,
+            )
+            return stored
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            log.info("status write of %s/%s conflicted (attempt %d); retrying", namespace, name, attempt + 1)
+    raise KubeError(f"status of {namespace}/{name}: still conflicting after {CONFLICT_RETRIES} attempts")
+
+
+async def reserve_serials(namespace: str, name: str, count: int, floor: int) -> int:
+    """Reserve ``count`` pod serial numbers on the job; returns the first.
+
+    The reservation is written before any pod is created, so a restarted operator never gives two
+    pods the same name; ``floor`` (one above the highest serial seen) guards against a lost write.
+    """
+    for attempt in range(CONFLICT_RETRIES):
+        job = await get_job(namespace, name)
+        annotations = job["metadata"].get("annotations") or {}
+        start = max(int(annotations.get(ANNOTATION_NEXT_SERIAL, "0")), floor)
+        patch = {
+            "metadata": {
+                "resourceVersion": job["metadata"]["resourceVersion"],
+                "annotations": {ANNOTATION_NEXT_SERIAL: str(start + count)},
+            }
+        }
+        try:
+            await _call(
+                _custom().patch_namespaced_custom_object,
+                wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name, patch,
+            )
+            return start
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            log.info("serial reservation on %s/%s conflicted (attempt %d); retrying", namespace, name, attempt + 1)
+    raise KubeError(f"serials of {namespace}/{name}: still conflicting after {CONFLICT_RETRIES} attempts")
+
+
+def post_event(body: Any, type_: str, reason: str, message: str) -> None:
+    """A Kubernetes event on the job (posted in the background by kopf)."""
+    try:
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+    except Exception:  # an event is never worth failing a reconcile for
+        log.exception("could not post event %s on the job", reason)
+
+
+# -- leader election (coordination.k8s.io Lease), used before kopf starts --------------------------
+
+
+def read_lease(namespace: str, name: str) -> client.V1Lease | None:
+    """The Lease, or None when there is none."""
+    try:
+        lease: client.V1Lease = client.CoordinationV1Api(configure()).read_namespaced_lease(name, namespace)
+        return lease
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def create_lease(namespace: str, body: client.V1Lease) -> bool:
+    """Create the Lease; False when someone else created it first."""
+    try:
+        client.CoordinationV1Api(configure()).create_namespaced_lease(namespace, body)
+        return True
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise
+
+
+def replace_lease(namespace: str, name: str, body: client.V1Lease) -> bool:
+    """Replace the Lease at the resourceVersion it carries; False on conflict (someone else wrote)."""
+    try:
+        client.CoordinationV1Api(configure()).replace_namespaced_lease(name, namespace, body)
+        return True
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise

@@ -1,0 +1,267 @@
+"""Desired versus actual, decided purely: which pods failed, what plan, which pods to create or delete.
+
+:func:`assess` looks at one job (its spec and status, the pods in the operator's index, node
+readiness and what the agents said) and returns an :class:`Assessment`. The controller carries it
+out; nothing here talks to the API server or the agents, so every rule has a fast unit test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+
+from megatron_contract import wire
+from megatron_contract.job import JobPhase, MegatronJobSpec, MegatronJobStatus
+from megatron_contract.mesh import MeshPlan, PlanReason
+from megatron_operator.failures import Failure, FailureReason, PodFacts, PodHealth, classify_pod
+from megatron_operator.heartbeats import Accusation
+from megatron_operator.planner import Outcome, PlanDecision, PodRef, plan_mesh
+from megatron_operator.status import Reason
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSignals:
+    """What the agents said, distilled from the heartbeat book for one job."""
+
+    silent: Sequence[str] = ()  # pods whose heartbeats stopped past the deadline
+    unhealthy: Sequence[str] = ()  # pods whose own agent reports failure
+    accusations: Sequence[Accusation] = ()  # failed peers reported for the current epoch
+    completed_step: int | None = None  # last step every reporting member completed
+    all_succeeded: bool = False  # every member's agent reports that training finished
+
+
+@dataclasses.dataclass(frozen=True)
+class Terminal:
+    """The job ends: its phase, the reason and message of the condition."""
+
+    phase: JobPhase
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Assessment:
+    """What should happen to a job now.
+
+    Attributes:
+        failures: pods newly found failed (events and lastFailure are made from these).
+        failed: every pod known failed (new and old); none of them trains again.
+        decision: the planner's decision, None when the planner was not asked (waiting for the
+            first pods, finishing, or terminal).
+        create_workers: worker pods to create (only before the first plan).
+        create_spares: spare pods to create (replenishing the pool, growing back).
+        delete: pods to delete, with whether to skip the grace period (their kubelet is gone).
+        terminal: set when the job succeeds or fails now (or already has).
+        ready_workers: members of the plan in force after the decision that are running.
+        spares_ready: running pods outside that plan.
+    """
+
+    failures: tuple[Failure, ...]
+    failed: frozenset[str]
+    decision: PlanDecision | None
+    create_workers: int = 0
+    create_spares: int = 0
+    delete: tuple[tuple[str, bool], ...] = ()
+    terminal: Terminal | None = None
+    ready_workers: int = 0
+    spares_ready: int = 0
+
+    @property
+    def plan(self) -> MeshPlan | None:
+        """The plan in force after this assessment (new, or the previous one when unchanged)."""
+        return self.decision.plan if self.decision is not None else None
+
+
+def _detect(
+    pods: Sequence[PodFacts],
+    health: Mapping[str, tuple[PodHealth, Failure | None]],
+    plan: MeshPlan | None,
+    signals: AgentSignals,
+    known: Mapping[str, Failure],
+) -> list[Failure]:
+    found: dict[str, Failure] = {}
+
+    def note(f: Failure) -> None:
+        if f.pod not in known and f.pod not in found:
+            found[f.pod] = f
+
+    for pod in pods:
+        failure = health[pod.name][1]
+        if failure is not None:
+            note(failure)
+    if plan is not None:
+        present = {p.name for p in pods}
+        for member in plan.members:
+            if member.pod not in present:
+                note(Failure(member.pod, FailureReason.POD_DELETED, f"pod {member.pod} of the mesh is gone"))
+        pod_of_rank = plan.pod_of_rank()
+        for acc in signals.accusations:
+            if acc.epoch != plan.epoch:
+                continue
+            pod = acc.pod or (pod_of_rank.get(acc.rank) if acc.rank is not None else None)
+            if pod and pod != acc.reporter:
+                note(Failure(pod, FailureReason.PEER_REPORTED, f"{acc.reporter} reports: {acc.reason}"[:1024]))
+    for name in signals.silent:
+        note(Failure(name, FailureReason.HEARTBEAT_MISSING, f"no heartbeat from the agent of {name}"))
+    for name in signals.unhealthy:
+        note(Failure(name, FailureReason.AGENT_REPORTED, f"the agent of {name} reports failure"))
+    return list(found.values())
+
+
+def assess(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    status: MegatronJobStatus,
+    pods: Sequence[PodFacts],
+    node_ready: Mapping[str, str],
+    signals: AgentSignals,
+    known_failures: Mapping[str, Failure],
+    expected: Collection[str] = (),
+    checkpoint_step: int | None = None,
+) -> Assessment:
+    """Decide what a job needs now.
+
+    Args:
+        spec: the job's spec.
+        job_uid: the job's UID.
+        status: the job's current status (its plan is the plan in force).
+        pods: the job's pods, from the operator's index.
+        node_ready: Ready status by node name.
+        signals: what the agents said.
+        known_failures: pods already declared failed (by name; names are never re-used).
+        expected: pods created but not yet in the index (they count towards the pool).
+        checkpoint_step: newest complete checkpoint, when known.
+    """
+    plan = status.plan
+    if status.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+        return _wind_down(status, pods, plan, known_failures)
+
+    health = {p.name: classify_pod(p, node_ready) for p in pods}
+    failures = _detect(pods, health, plan, signals, known_failures)
+    failed = frozenset(known_failures) | {f.pod for f in failures}
+    by_name = {p.name: p for p in pods}
+    members = [m.pod for m in plan.members] if plan is not None else []
+
+    if plan is not None and (
+        signals.all_succeeded or all(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
+    ):
+        done = Terminal(JobPhase.SUCCEEDED, Reason.TRAINING_FINISHED, f"trained {spec.training.train_iters} steps")
+        return _wind_down(status, pods, plan, known_failures, terminal=done, failures=tuple(failures))
+
+    alive = [p for p in pods if p.name not in failed and not p.deleting and health[p.name][0] is not PodHealth.FAILED]
+    ready = sorted((p for p in alive if health[p.name][0] is PodHealth.READY), key=lambda p: p.serial)
+    ref = {p.name: PodRef(p.name, p.uid, p.ip or "") for p in ready}
+    finishing = any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
+
+    decision: PlanDecision | None = None
+    terminal: Terminal | None = None
+    if plan is None:
+        # The first plan waits for the full mesh: starting small and growing at once costs a re-mesh.
+        if len(ready) >= spec.worker_pods:
+            workers = [ref[p.name] for p in ready if p.role == wire.ROLE_WORKER]
+            spares = [ref[p.name] for p in ready if p.role != wire.ROLE_WORKER]
+            decision = plan_mesh(spec, job_uid, workers, spares, failed, None)
+    elif finishing:
+        decision = PlanDecision(Outcome.UNCHANGED, plan)
+    else:
+        member_set = set(members)
+        active = [ref[n] for n in members if n in ref]
+        spares = [ref[p.name] for p in ready if p.name not in member_set]
+        resume = signals.completed_step + 1 if signals.completed_step is not None else None
+        decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
+                             checkpoint_step=checkpoint_step)
+        # Growing back is not a recovery; replacing, shrinking and waiting for capacity are.
+        new_plan = decision.plan if decision.outcome is Outcome.NEW_PLAN else None
+        needs_recovery = decision.outcome is Outcome.WAIT or (
+            new_plan is not None and new_plan.reason is not PlanReason.GROW
+        )
+        if needs_recovery and status.recoveries >= spec.max_recoveries:
+            terminal = Terminal(
+                JobPhase.FAILED,
+                Reason.MAX_RECOVERIES,
+                f"{status.recoveries} recoveries done, spec.maxRecoveries is {spec.max_recoveries}; "
+                f"not recovering from: {decision.message}",
+            )
+            return _wind_down(status, pods, plan, {**known_failures, **{f.pod: f for f in failures}},
+                              terminal=terminal, failures=tuple(failures))
+
+    # Replenish: one new pod for every pod of the full mesh plus spares that is not alive (or on
+    # its way). Before the first plan the missing workers are created as workers.
+    target = spec.worker_pods + spec.spares
+    on_the_way = [n for n in expected if n not in by_name]
+    deficit = max(0, target - len(alive) - len(on_the_way))
+    create_workers = 0
+    if plan is None and decision is None:
+        worker_pods_alive = sum(1 for p in alive if p.role == wire.ROLE_WORKER)
+        create_workers = min(deficit, max(0, spec.worker_pods - worker_pods_alive))
+    create_spares = deficit - create_workers
+
+    delete = tuple(
+        (p.name, _force_delete(health[p.name][1]) or _force_delete(known_failures.get(p.name)))
+        for p in pods
+        if (p.name in failed or health[p.name][0] is PodHealth.FAILED) and not p.deleting
+    )
+
+    in_force = decision.plan if decision is not None and decision.plan is not None else plan
+    member_names = {m.pod for m in in_force.members} if in_force is not None else set()
+    ready_names = {p.name for p in ready}
+    return Assessment(
+        failures=tuple(failures),
+        failed=failed,
+        decision=decision,
+        create_workers=create_workers,
+        create_spares=create_spares,
+        delete=delete,
+        terminal=terminal,
+        ready_workers=len(member_names & ready_names),
+        spares_ready=len(ready_names - member_names),
+    )
+
+
+def _force_delete(failure: Failure | None) -> bool:
+    # A pod on a dead node never confirms a graceful deletion; a hung one may never exit.
+    return failure is not None and failure.reason in (FailureReason.NODE_NOT_READY, FailureReason.HEARTBEAT_MISSING)
+
+
+def _wind_down(
+    status: MegatronJobStatus,
+    pods: Sequence[PodFacts],
+    plan: MeshPlan | None,
+    failed: Mapping[str, Failure],
+    *,
+    terminal: Terminal | None = None,
+    failures: tuple[Failure, ...] = (),
+) -> Assessment:
+    """A finished job: a failed one releases all its pods, a succeeded one its spares."""
+    phase = terminal.phase if terminal is not None else status.phase
+    members = {m.pod for m in plan.members} if plan is not None else set()
+    doomed = [p for p in pods if not p.deleting and (phase is JobPhase.FAILED or p.name not in members)]
+    if terminal is None:
+        terminal = Terminal(phase, "", "")
+    return Assessment(
+        failures=failures,
+        failed=frozenset(failed) | {f.pod for f in failures},
+        decision=PlanDecision(Outcome.UNCHANGED, plan) if plan is not None else None,
+        delete=tuple((p.name, False) for p in doomed),
+        terminal=terminal,
+    )
+
+
+def phase_of(plan: MeshPlan | None, acknowledged: bool, waiting: bool, has_pods: bool) -> tuple[JobPhase, str]:
+    """Phase of a running job and the reason of its state condition.
+
+    Args:
+        plan: the plan in force.
+        acknowledged: every member of the plan holds it.
+        waiting: the planner could not make a plan for lack of pods after a failure.
+        has_pods: the job has pods at all.
+    """
+    if waiting and plan is not None:
+        return JobPhase.DEGRADED, Reason.BELOW_MIN_REPLICAS
+    if plan is None:
+        return (JobPhase.STARTING if has_pods else JobPhase.PENDING), Reason.WAITING_FOR_PODS
+    if acknowledged:
+        return JobPhase.RUNNING, Reason.PLAN_ACKNOWLEDGED
+    if plan.reason is PlanReason.INITIAL:
+        return JobPhase.STARTING, Reason.PUSHING_PLAN
+    return JobPhase.RECOVERING, Reason.RECOVERING

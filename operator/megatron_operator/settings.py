@@ -1,0 +1,59 @@
+"""The operator's configuration: one pydantic-settings class, read from the environment.
+
+Environment variable names are the constants below; the Helm chart's values map onto them.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from megatron_contract.wire import OPERATOR_REPORT_PORT
+
+ENV_PREFIX = "MEGATRON_OPERATOR_"
+ENV_NAMESPACES = f"{ENV_PREFIX}NAMESPACES"
+ENV_OPERATOR_URL = f"{ENV_PREFIX}URL"
+ENV_REPORT_HOST = f"{ENV_PREFIX}REPORT_HOST"
+ENV_REPORT_PORT = f"{ENV_PREFIX}REPORT_PORT"
+ENV_LEADER_ELECTION = f"{ENV_PREFIX}LEADER_ELECTION"
+ENV_LEASE_NAME = f"{ENV_PREFIX}LEASE_NAME"
+ENV_LEASE_NAMESPACE = f"{ENV_PREFIX}LEASE_NAMESPACE"
+ENV_LEASE_SECONDS = f"{ENV_PREFIX}LEASE_SECONDS"
+ENV_IDENTITY = f"{ENV_PREFIX}IDENTITY"
+ENV_RESYNC_SECONDS = f"{ENV_PREFIX}RESYNC_SECONDS"
+ENV_PUSH_TIMEOUT = f"{ENV_PREFIX}PUSH_TIMEOUT_SECONDS"
+ENV_METRICS_PORT = f"{ENV_PREFIX}METRICS_PORT"
+ENV_CRASH_AT = f"{ENV_PREFIX}CRASH_AT"
+ENV_KUBECONFIG = "KUBECONFIG"
+
+
+class OperatorSettings(BaseSettings):
+    """Everything the operator process can be told, with the defaults of a production install."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    namespaces: str = Field(default="", description="Comma-separated namespaces to watch; all when empty.")
+    url: str = Field(
+        default=f"http://megatron-operator.megatron-system.svc:{OPERATOR_REPORT_PORT}",
+        description="URL at which trainer agents reach the operator's report endpoint.",
+    )
+    report_host: str = Field(default="0.0.0.0", description="Address the report endpoint binds.")
+    report_port: int = Field(default=OPERATOR_REPORT_PORT, ge=0, le=65535, description="Report endpoint port.")
+    leader_election: bool = Field(default=True, description="Act only while holding the Lease.")
+    lease_name: str = Field(default="megatron-operator", description="Name of the leader-election Lease.")
+    lease_namespace: str = Field(default="default", description="Namespace of the leader-election Lease.")
+    lease_seconds: float = Field(default=15.0, gt=1, description="Lease duration; a standby takes over after it.")
+    identity: str | None = Field(default=None, description="This replica's identity (hostname and pid if unset).")
+    resync_seconds: float = Field(default=5.0, gt=0, description="Longest time a job goes without a reconcile.")
+    push_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one plan push to one agent.")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; off when unset.")
+    crash_at: str | None = Field(
+        default=None,
+        description="Fault injection for tests: SIGKILL the operator itself at this recovery point "
+        "(plan-stored, pods-created).",
+    )
+
+    @property
+    def namespace_list(self) -> list[str]:
+        """The watched namespaces; empty means cluster-wide."""
+        return [n.strip() for n in self.namespaces.split(",") if n.strip()]

@@ -1,0 +1,204 @@
+"""Status computation: the whole status from an observation, conditions in the metav1 shape.
+
+Status is computed whole, compared with the old one and written once when it differs. Ready,
+Recovering, Failed and Succeeded are mutually exclusive: setting one True sets the others False
+in the same write (as jobset's ``exclusiveConditions``). Degraded and SparesExhausted stand alone.
+A condition keeps its ``lastTransitionTime`` until its status flips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+from megatron_contract.job import (
+    Condition,
+    ConditionType,
+    FailureRecord,
+    JobPhase,
+    MegatronJobStatus,
+)
+from megatron_contract.mesh import MeshPlan
+
+
+class Reason:
+    """Reasons of conditions and events (CamelCase, as Kubernetes wants them)."""
+
+    WAITING_FOR_PODS = "WaitingForPods"
+    PUSHING_PLAN = "PushingPlan"
+    PLAN_ACKNOWLEDGED = "PlanAcknowledged"
+    RECOVERING = "ReplacingFailedPods"
+    BELOW_MIN_REPLICAS = "BelowMinReplicas"
+    MESH_SHRUNK = "MeshShrunk"
+    FULL_MESH = "FullMesh"
+    NO_SPARE_READY = "NoSpareReady"
+    SPARES_READY = "SparesReady"
+    NO_SPARES_REQUESTED = "NoSparesRequested"
+    MAX_RECOVERIES = "MaxRecoveriesExceeded"
+    INVALID_SPEC = "InvalidSpec"
+    TRAINING_FINISHED = "TrainingFinished"
+    NOT_FINISHED = "NotFinished"
+    # Events.
+    PLAN_CREATED = "PlanCreated"
+    PLAN_PUSHED = "PlanPushed"
+    PLAN_PUSH_FAILED = "PlanPushFailed"
+    POD_CREATED = "PodsCreated"
+    SPARE_PROMOTED = "SparePromoted"
+
+
+EXCLUSIVE = (ConditionType.READY, ConditionType.RECOVERING, ConditionType.FAILED, ConditionType.SUCCEEDED)
+
+_STATE_OF_PHASE = {
+    JobPhase.PENDING: None,
+    JobPhase.STARTING: None,
+    JobPhase.RUNNING: ConditionType.READY,
+    JobPhase.RECOVERING: ConditionType.RECOVERING,
+    JobPhase.DEGRADED: ConditionType.RECOVERING,  # waiting for capacity is a recovery that cannot finish yet
+    JobPhase.FAILED: ConditionType.FAILED,
+    JobPhase.SUCCEEDED: ConditionType.SUCCEEDED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """Everything the status is computed from."""
+
+    phase: JobPhase
+    reason: str
+    message: str
+    plan: MeshPlan | None
+    replicas: int
+    ready_workers: int
+    spares_ready: int
+    spares_wanted: int
+    recoveries: int
+    last_recovery_duration: float | None = None
+    last_failure: FailureRecord | None = None
+    step: int | None = None
+    generation: int | None = None
+
+
+def set_condition(
+    conditions: list[Condition],
+    type_: ConditionType,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    generation: int | None,
+) -> list[Condition]:
+    """A copy of ``conditions`` with one condition set; its transition time moves only on a flip."""
+    value = "True" if status else "False"
+    out: list[Condition] = []
+    found = False
+    for cond in conditions:
+        if cond.type != type_.value:
+            out.append(cond)
+            continue
+        found = True
+        moved = cond.status != value
+        out.append(
+            Condition(
+                type=type_.value,
+                status=value,
+                reason=reason,
+                message=message,
+                last_transition_time=now if moved else cond.last_transition_time,
+                observed_generation=generation,
+            )
+        )
+    if not found:
+        out.append(
+            Condition(
+                type=type_.value,
+                status=value,
+                reason=reason,
+                message=message,
+                last_transition_time=now,
+                observed_generation=generation,
+            )
+        )
+    return out
+
+
+def condition(status: MegatronJobStatus, type_: ConditionType) -> Condition | None:
+    """The condition of a type, if set."""
+    return next((c for c in status.conditions if c.type == type_.value), None)
+
+
+def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> MegatronJobStatus:
+    """The whole new status from the old one and an observation."""
+    conditions = list(old.conditions)
+    state = _STATE_OF_PHASE[obs.phase]
+    for type_ in EXCLUSIVE:
+        if type_ is state:
+            conditions = set_condition(conditions, type_, True, obs.reason, obs.message, now, obs.generation)
+        elif type_ is ConditionType.READY:
+            conditions = set_condition(conditions, type_, False, obs.reason, obs.message, now, obs.generation)
+        elif condition(old, type_) is not None or type_ is ConditionType.RECOVERING:
+            # Keep the last reason of a condition that turns False; it says what happened last.
+            prev = condition(old, type_)
+            reason = prev.reason if prev is not None and prev.status == "False" else obs.reason
+            message = prev.message if prev is not None and prev.status == "False" else ""
+            if type_ is ConditionType.RECOVERING and prev is None:
+                reason, message = Reason.NOT_FINISHED, ""
+            conditions = set_condition(conditions, type_, False, reason, message, now, obs.generation)
+
+    dp = obs.plan.sizes.dp if obs.plan is not None else 0
+    if obs.phase is JobPhase.DEGRADED:
+        conditions = set_condition(conditions, ConditionType.DEGRADED, True, Reason.BELOW_MIN_REPLICAS, obs.message,
+                                   now, obs.generation)
+    elif obs.plan is not None and dp < obs.replicas:
+        conditions = set_condition(
+            conditions, ConditionType.DEGRADED, True, Reason.MESH_SHRUNK,
+            f"training with {dp} of {obs.replicas} data-parallel replicas", now, obs.generation,
+        )
+    else:
+        conditions = set_condition(conditions, ConditionType.DEGRADED, False, Reason.FULL_MESH, "", now,
+                                   obs.generation)
+
+    if obs.spares_wanted == 0:
+        conditions = set_condition(conditions, ConditionType.SPARES_EXHAUSTED, False, Reason.NO_SPARES_REQUESTED,
+                                   "", now, obs.generation)
+    elif obs.spares_ready == 0:
+        conditions = set_condition(
+            conditions, ConditionType.SPARES_EXHAUSTED, True, Reason.NO_SPARE_READY,
+            f"0 of {obs.spares_wanted} hot spares ready", now, obs.generation,
+        )
+    else:
+        conditions = set_condition(
+            conditions, ConditionType.SPARES_EXHAUSTED, False, Reason.SPARES_READY,
+            f"{obs.spares_ready} of {obs.spares_wanted} hot spares ready", now, obs.generation,
+        )
+
+    desired = len(obs.plan.members) if obs.plan is not None else 0
+    terminal = obs.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED)
+    return MegatronJobStatus(
+        phase=obs.phase,
+        conditions=sorted(conditions, key=lambda c: c.type),
+        observed_generation=obs.generation,
+        mesh=obs.plan.mesh_label if obs.plan is not None else None,
+        epoch=obs.plan.epoch if obs.plan is not None else 0,
+        plan=obs.plan,
+        desired_workers=desired,
+        ready_workers=obs.ready_workers,
+        ready=f"{obs.ready_workers}/{desired}",
+        spares_ready=obs.spares_ready,
+        recoveries=obs.recoveries,
+        last_recovery_duration_seconds=obs.last_recovery_duration,
+        last_failure=obs.last_failure,
+        step=obs.step if obs.step is not None else old.step,
+        start_time=old.start_time or (now if obs.plan is not None else None),
+        completion_time=old.completion_time or (now if terminal else None),
+    )
+
+
+def status_body(status: MegatronJobStatus) -> dict[str, Any]:
+    """The status as written (whole, replacing the old one): camelCase, unset optionals left out."""
+    return status.to_wire()
+
+
+def status_changed(old: MegatronJobStatus, new: MegatronJobStatus) -> bool:
+    """Whether ``new`` differs from ``old`` in anything that would be written."""
+    return status_body(old) != status_body(new)
