@@ -1,0 +1,299 @@
+"""What integration tests and the benchmark need around a real operator process.
+
+- :class:`OperatorProcess`: ``python -m megatron_operator`` as a subprocess against a cluster's
+  kubeconfig, its log in a file (dumped when a test fails).
+- :class:`RecordingAgents`: stand-ins for the trainer agents. They serve the agent's plan endpoint
+  at each pod's (loopback) address and record who received which plan and when, answer like an
+  agent would (409 for a stale epoch, 401/403 for a bad token), and can send heartbeats.
+- :func:`wait_for`: wait for a condition with a deadline (never a bare sleep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from megatron_contract import wire
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("contract", "operator", "trainer", "localcluster"))
+JOBS = f"/apis/{wire.GROUP}/{wire.VERSION}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for[T](check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})"[:4000])
+
+
+class OperatorProcess:
+    """A real operator process; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, *, report_port: int | None = None,
+                 lease_seconds: float = 3.0, identity: str | None = None, **env: str) -> None:
+        self.report_port = report_port or free_port()
+        self.log_path = log_path
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": PYTHONPATH,
+            "KUBECONFIG": str(kubeconfig),
+            "MEGATRON_OPERATOR_NAMESPACES": namespace,
+            "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
+            "MEGATRON_OPERATOR_REPORT_PORT": str(self.report_port),
+            "MEGATRON_OPERATOR_URL": f"http://127.0.0.1:{self.report_port}",
+            "MEGATRON_OPERATOR_LEASE_NAMESPACE": namespace,
+            "MEGATRON_OPERATOR_LEASE_SECONDS": str(lease_seconds),
+            "MEGATRON_OPERATOR_RESYNC_SECONDS": "1",
+            "MEGATRON_OPERATOR_PUSH_TIMEOUT_SECONDS": "2",
+            **({"MEGATRON_OPERATOR_IDENTITY": identity} if identity else {}),
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.report_port}"
+
+    def start(self) -> OperatorProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_operator"], env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed node would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclasses.dataclass
+class Received:
+    """One plan an agent received."""
+
+    pod: str | None
+    address: str
+    epoch: int
+    reason: str
+    members: list[str]
+    at: float  # time.monotonic() in this process
+    status: int
+
+
+class RecordingAgents:
+    """Fake agents on the pods' loopback addresses, in a background event loop."""
+
+    def __init__(self, token: Callable[[], str | None]) -> None:
+        self._token = token
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="recording-agents", daemon=True)
+        self._thread.start()
+        self._sites: dict[str, web.AppRunner] = {}
+        self.pod_at: dict[str, str] = {}  # address -> pod name
+        self.held: dict[str, int] = {}  # address -> epoch held
+        self.received: list[Received] = []
+        self.refuse: set[str] = set()  # addresses that answer 503 (an agent not up yet)
+        self._lock = threading.Lock()
+        self._session: ClientSession | None = None
+
+    def _run(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def sync(self, pods: list[dict[str, Any]]) -> None:
+        """Serve at the address of every running pod; a new pod at an old address starts with no plan."""
+        for pod in pods:
+            ip = (pod.get("status") or {}).get("podIP")
+            name = pod["metadata"]["name"]
+            if not ip:
+                continue
+            with self._lock:
+                if self.pod_at.get(ip) != name:
+                    self.pod_at[ip] = name
+                    self.held.pop(ip, None)
+            if ip not in self._sites:
+                self._sites[ip] = self._run(self._serve(ip))
+
+    async def _serve(self, ip: str) -> web.AppRunner:
+        async def plan(request: web.Request) -> web.Response:
+            body = await request.json()
+            auth = request.headers.get(wire.AUTH_HEADER, "")
+            epoch = int(body["epoch"])
+            token = self._token()
+            if token is None or auth != f"{wire.AUTH_SCHEME} {token}":
+                status = 403
+            elif ip in self.refuse:
+                status = 503
+            else:
+                with self._lock:
+                    status = 409 if epoch <= self.held.get(ip, 0) else 200
+                    if status == 200:
+                        self.held[ip] = epoch
+            with self._lock:
+                self.received.append(Received(self.pod_at.get(ip), ip, epoch, body["reason"],
+                                              [m["pod"] for m in body["members"]], time.monotonic(), status))
+            return web.json_response({"epoch": self.held.get(ip, 0)}, status=status)
+
+        app = web.Application(client_max_size=wire.MAX_BODY_BYTES)
+        app.router.add_post(wire.AGENT_PLAN_PATH, plan)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, ip, wire.AGENT_PORT, reuse_address=True).start()
+        return runner
+
+    def plans_for(self, pod: str, status: int | None = 200) -> list[int]:
+        """Epochs a pod accepted (or received with the given answer; None: all)."""
+        with self._lock:
+            return [r.epoch for r in self.received if r.pod == pod and (status is None or r.status == status)]
+
+    def report(self, operator_url: str, token: str, job_uid: str, pod: str, epoch: int, *, state: str = "training",
+               step: int | None = None, failed_peers: list[dict[str, Any]] | None = None,
+               healthy: bool = True) -> tuple[int, Any]:
+        """Send one heartbeat to the operator as the pod's agent would."""
+        report = {"jobUid": job_uid, "pod": pod, "epoch": epoch, "state": state, "healthy": healthy}
+        if step is not None:
+            report["step"] = step
+        if failed_peers:
+            report["failedPeers"] = failed_peers
+
+        async def send() -> tuple[int, Any]:
+            if self._session is None:
+                self._session = ClientSession(timeout=ClientTimeout(total=5))
+            async with self._session.post(f"{operator_url}{wire.OPERATOR_REPORT_PATH}", json=report,
+                                          headers={wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}"}) as resp:
+                return resp.status, await resp.json()
+
+        result: tuple[int, Any] = self._run(send())
+        return result
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            for runner in self._sites.values():
+                await runner.cleanup()
+            if self._session is not None:
+                await self._session.close()
+
+        self._run(shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+class JobApi:
+    """Small helpers over LocalCluster.request for one namespace."""
+
+    def __init__(self, cluster: Any, namespace: str) -> None:
+        self.cluster = cluster
+        self.ns = namespace
+
+    def create_job(self, body: dict[str, Any]) -> tuple[int, Any]:
+        meta = body["metadata"]
+        for key in ("uid", "resourceVersion", "generation"):
+            meta.pop(key, None)
+        meta["namespace"] = self.ns
+        result: tuple[int, Any] = self.cluster.request("POST", f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}", body)
+        return result
+
+    def job(self, name: str) -> dict[str, Any]:
+        status, body = self.cluster.request("GET", f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}/{name}")
+        assert status == 200, body
+        job: dict[str, Any] = body
+        return job
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.job(name).get("status") or {}
+
+    def delete_job(self, name: str) -> None:
+        self.cluster.request("DELETE", f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}/{name}")
+
+    def pods(self, job: str | None = None) -> list[dict[str, Any]]:
+        selector = f"?labelSelector={wire.LABEL_JOB}%3D{job}" if job else ""
+        status, body = self.cluster.request("GET", f"/api/v1/namespaces/{self.ns}/pods{selector}")
+        assert status == 200, body
+        items: list[dict[str, Any]] = body["items"]
+        return items
+
+    def running_pods(self, job: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods(job) if (p.get("status") or {}).get("phase") == "Running"
+                and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")]
+
+    def delete_pod(self, name: str, grace: int | None = 0) -> None:
+        query = f"?gracePeriodSeconds={grace}" if grace is not None else ""
+        self.cluster.request("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}{query}")
+
+    def patch_pod_status(self, name: str, status: dict[str, Any]) -> tuple[int, Any]:
+        result: tuple[int, Any] = self.cluster.request(
+            "PATCH", f"/api/v1/namespaces/{self.ns}/pods/{name}/status", {"status": status},
+            content_type="application/merge-patch+json")
+        return result
+
+    def get(self, path: str) -> Any:
+        status, body = self.cluster.request("GET", path)
+        return body if status == 200 else None
+
+    def token(self, job: str) -> str | None:
+        body = self.get(f"/api/v1/namespaces/{self.ns}/secrets/{job}-token")
+        if not body:
+            return None
+        return base64.b64decode(body["data"][wire.TOKEN_SECRET_KEY]).decode()
+
+    def events(self) -> list[dict[str, Any]]:
+        body = self.get(f"/api/v1/namespaces/{self.ns}/events")
+        return body["items"] if body else []
+
+    def dump(self) -> str:
+        """Everything a failing test should show: jobs, pods, events."""
+        out = []
+        for path in (f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}", f"/api/v1/namespaces/{self.ns}/pods"):
+            body = self.get(path) or {}
+            for item in body.get("items", []):
+                slim = {k: item.get(k) for k in ("metadata", "status")}
+                slim["metadata"] = {k: slim["metadata"].get(k) for k in ("name", "labels", "deletionTimestamp")}
+                out.append(json.dumps(slim, default=str)[:3000])
+        for ev in self.events()[-40:]:
+            out.append(f"event {ev.get('type')} {ev.get('reason')} {ev['involvedObject'].get('name')}: "
+                       f"{ev.get('message')}")
+        return "\n".join(out)
