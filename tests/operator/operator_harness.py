@@ -135,7 +135,7 @@ class RecordingAgents:
         self._thread.start()
         self._sites: dict[str, web.AppRunner] = {}
         self.pod_at: dict[str, str] = {}  # address -> pod name
-        self.held: dict[str, int] = {}  # address -> epoch held
+        self.held: dict[str, int] = {}  # pod -> epoch held
         self.received: list[Received] = []
         self.refuse: set[str] = set()  # addresses that answer 503 (an agent not up yet)
         self._lock = threading.Lock()
@@ -152,9 +152,7 @@ class RecordingAgents:
             if not ip:
                 continue
             with self._lock:
-                if self.pod_at.get(ip) != name:
-                    self.pod_at[ip] = name
-                    self.held.pop(ip, None)
+                self.pod_at[ip] = name
             if ip not in self._sites:
                 self._sites[ip] = self._run(self._serve(ip))
 
@@ -163,6 +161,8 @@ class RecordingAgents:
             body = await request.json()
             auth = request.headers.get(wire.AUTH_HEADER, "")
             epoch = int(body["epoch"])
+            # The plan names the pod at this address; pod names are never re-used, addresses are.
+            pod = next((m["pod"] for m in body["members"] if m["address"] == ip), self.pod_at.get(ip))
             token = self._token()
             if token is None or auth != f"{wire.AUTH_SCHEME} {token}":
                 status = 403
@@ -170,13 +170,13 @@ class RecordingAgents:
                 status = 503
             else:
                 with self._lock:
-                    status = 409 if epoch <= self.held.get(ip, 0) else 200
+                    status = 409 if epoch <= self.held.get(pod or ip, 0) else 200
                     if status == 200:
-                        self.held[ip] = epoch
+                        self.held[pod or ip] = epoch
             with self._lock:
-                self.received.append(Received(self.pod_at.get(ip), ip, epoch, body["reason"],
+                self.received.append(Received(pod, ip, epoch, body["reason"],
                                               [m["pod"] for m in body["members"]], time.monotonic(), status))
-            return web.json_response({"epoch": self.held.get(ip, 0)}, status=status)
+            return web.json_response({"epoch": self.held.get(pod or ip, 0)}, status=status)
 
         app = web.Application(client_max_size=wire.MAX_BODY_BYTES)
         app.router.add_post(wire.AGENT_PLAN_PATH, plan)
