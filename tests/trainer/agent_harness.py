@@ -307,6 +307,7 @@ class RecordingOperator:
     def __init__(self, epoch: int = 0) -> None:
         self.epoch = epoch
         self.reports: list[AgentReport] = []
+        self.received_at: list[float] = []  # time.time() of each report's arrival, same order
         self.refused = 0
         self._lock = threading.Lock()
         outer = self
@@ -323,6 +324,7 @@ class RecordingOperator:
                 report = AgentReport.model_validate_json(body)
                 with outer._lock:
                     outer.reports.append(report)
+                    outer.received_at.append(time.time())
                 answer = json.dumps({"epoch": outer.epoch}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -341,6 +343,11 @@ class RecordingOperator:
     def url(self) -> str:
         """What agents get as MEGATRON_OPERATOR_URL."""
         return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def arrival_of(self, report: AgentReport) -> float:
+        """Wall-clock time at which ``report`` arrived."""
+        with self._lock:
+            return next(t for r, t in zip(self.reports, self.received_at, strict=True) if r is report)
 
     def reports_from(self, pod: str) -> list[AgentReport]:
         """Every report of one pod, oldest first."""

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 from collections.abc import Callable
 
 import aiohttp
@@ -61,8 +62,10 @@ class HeartbeatSender:
         while True:
             self._wake.clear()
             await self.send_once()
+            # +-10% jitter: thousands of pods started together must not report in lockstep.
+            period = self.interval_seconds * random.uniform(0.9, 1.1)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_seconds)
+                await asyncio.wait_for(self._wake.wait(), timeout=period)
 
     async def send_once(self) -> bool:
         """Build and post one report; True when the operator acknowledged it."""
