@@ -1,0 +1,358 @@
+"""Test harness for real worker processes: the test plays agent and operator.
+
+It spawns ``python -m megatron_trainer.worker`` per local slot with its own socketpair, hosts the
+rendezvous TCPStore (as an agent does), reads every message the workers send, sees EOF when one
+dies, and builds plans with small builders. Used by the ``test_worker_*`` modules and by the GPU
+benchmark (``benchmarks/trainer_recovery.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from megatron_contract import wire
+from megatron_contract.job import FailureDetectionSpec, MegatronJobSpec, ModelSpec, TrainingSpec
+from megatron_contract.mesh import (
+    BatchGeometry,
+    MeshPlan,
+    MeshSizes,
+    PlanMember,
+    PlanReason,
+    Rendezvous,
+    StateSource,
+    StateSourceKind,
+)
+from megatron_trainer.channel import (
+    Assign,
+    Channel,
+    CollectiveFailed,
+    Hello,
+    PhaseTimes,
+    Progress,
+    Shutdown,
+    ToAgent,
+    WorkerStatus,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_UID = "00000000-0000-0000-0000-00000000f00d"
+
+
+def wait_for[T](condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
+    """Poll ``condition`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def make_spec(
+    replicas: int = 2,
+    spares: int = 0,
+    tp: int = 2,
+    gpus_per_pod: int = 2,
+    min_replicas: int = 1,
+    train_iters: int = 8,
+    global_batch_size: int = 8,
+    collective_timeout: float = 10.0,
+    **model: Any,
+) -> MegatronJobSpec:
+    """A small job: a 2-layer GPT that trains in a fraction of a second per step on CPU."""
+    model_args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
+    model_args.update(model)
+    return MegatronJobSpec(
+        image="local",
+        replicas=replicas,
+        min_replicas=min_replicas,
+        spares=spares,
+        tp=tp,
+        gpus_per_pod=gpus_per_pod,
+        model=ModelSpec(**model_args),
+        training=TrainingSpec(
+            global_batch_size=global_batch_size, micro_batch_size=1, train_iters=train_iters, lr=1e-3, seed=1234
+        ),
+        failure_detection=FailureDetectionSpec(
+            heartbeat_interval_seconds=1.0, heartbeat_timeout_seconds=5.0, collective_timeout_seconds=collective_timeout
+        ),
+    )
+
+
+def make_plan(
+    spec: MegatronJobSpec,
+    epoch: int,
+    pods: list[str],
+    store_port: int,
+    resume_step: int = 0,
+    reason: PlanReason = PlanReason.INITIAL,
+    sources: dict[int, StateSource] | None = None,
+) -> MeshPlan:
+    """A plan where ``pods`` (in order) hold consecutive ranks; dp follows from their number.
+
+    ``sources`` overrides the state source of some ranks; the rest are ``init`` at epoch 1 and
+    ``self`` afterwards.
+    """
+    world = len(pods) * spec.gpus_per_pod
+    dp = world // spec.model_parallel
+    sizes = MeshSizes(world=world, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp)
+    members = [
+        PlanMember(pod=p, address="127.0.0.1", ranks=list(range(i * spec.gpus_per_pod, (i + 1) * spec.gpus_per_pod)))
+        for i, p in enumerate(pods)
+    ]
+    default = StateSourceKind.INIT if epoch == 1 else StateSourceKind.SELF
+    sources = sources or {}
+    state_sources = [sources.get(r) or StateSource(rank=r, kind=default) for r in range(world)]
+    return MeshPlan(
+        job_uid=JOB_UID,
+        epoch=epoch,
+        reason=reason,
+        sizes=sizes,
+        gpus_per_pod=spec.gpus_per_pod,
+        batch=BatchGeometry.split(spec.training.global_batch_size, spec.training.micro_batch_size, dp),
+        rendezvous=Rendezvous(host="127.0.0.1", port=store_port, store_prefix=Rendezvous.prefix_for(JOB_UID, epoch)),
+        members=members,
+        resume_step=resume_step,
+        state_sources=state_sources,
+    )
+
+
+def peer_sources(spec: MegatronJobSpec, receivers: Iterable[int], donors: Iterable[int]) -> dict[int, StateSource]:
+    """Each receiving rank takes state from the donor rank with the same position in its replica."""
+    donor_by_slot = {d % spec.model_parallel: d for d in donors}
+    return {
+        r: StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=donor_by_slot[r % spec.model_parallel])
+        for r in receivers
+    }
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerProcess:
+    """One real worker process and every message it sent."""
+
+    pod: str
+    local_rank: int
+    process: subprocess.Popen[bytes]
+    channel: Channel
+    log_path: Path
+    messages: list[ToAgent] = dataclasses.field(default_factory=list)
+    eof: threading.Event = dataclasses.field(default_factory=threading.Event)
+    eof_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.pod}/{self.local_rank}"
+
+    def send(self, message: Assign | Shutdown) -> None:
+        with contextlib.suppress(OSError):
+            self.channel.send(message)
+
+    def of_type[M](self, kind: type[M]) -> list[M]:
+        return [m for m in list(self.messages) if isinstance(m, kind)]
+
+    def last_step(self) -> int:
+        steps = self.of_type(Progress)
+        return steps[-1].step if steps else 0
+
+    def states(self) -> list[str]:
+        return [m.state for m in self.of_type(WorkerStatus)]
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class WorkerCluster:
+    """Pods of real workers, the rendezvous store, and the operator's bookkeeping."""
+
+    def __init__(
+        self, spec: MegatronJobSpec, workdir: Path, extra_env: dict[str, str] | None = None, python: str | None = None
+    ) -> None:
+        import torch.distributed as dist
+
+        self.spec = spec
+        self.workdir = workdir
+        self.extra_env = dict(extra_env or {})
+        self.python = python or sys.executable
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store_port = self.store.port
+        self.pods: dict[str, list[WorkerProcess]] = {}
+        self.sample_dir = workdir / "samples"
+        self.sample_dir.mkdir(parents=True, exist_ok=True)
+        self.epoch = 0
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def env(self, pod: str) -> dict[str, str]:
+        roots = [str(REPO / r) for r in ("contract", "trainer")]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")]),
+            wire.ENV_JOB_SPEC: json.dumps(self.spec.to_wire()),
+            wire.ENV_POD_NAME: pod,
+            "MEGATRON_WORKER_SAMPLE_LOG": str(self.sample_dir),
+            "OMP_NUM_THREADS": "1",  # two CPU cores shared by every worker of a test
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.update(self.extra_env)
+        return env
+
+    def start_pod(self, pod: str) -> list[WorkerProcess]:
+        """Spawn one worker per local slot of a pod."""
+        workers = []
+        for local_rank in range(self.spec.gpus_per_pod):
+            ours, theirs = socket.socketpair()
+            log_path = self.workdir / f"{pod}-{local_rank}.log"
+            with log_path.open("wb") as log:
+                process = subprocess.Popen(
+                    [
+                        self.python,
+                        "-m",
+                        "megatron_trainer.worker",
+                        "--channel-fd",
+                        str(theirs.fileno()),
+                        "--local-rank",
+                        str(local_rank),
+                    ],
+                    pass_fds=(theirs.fileno(),),
+                    env=self.env(pod),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                )
+            theirs.close()
+            worker = WorkerProcess(pod, local_rank, process, Channel(ours), log_path)
+            threading.Thread(target=self._pump, args=(worker,), daemon=True).start()
+            workers.append(worker)
+        self.pods[pod] = workers
+        return workers
+
+    def _pump(self, worker: WorkerProcess) -> None:
+        while True:
+            try:
+                message = worker.channel.recv_to_agent()
+            except (OSError, ValueError):
+                message = None
+            if message is None:
+                worker.eof_at = time.time()
+                worker.eof.set()
+                return
+            worker.messages.append(message)
+
+    def workers(self, pods: Iterable[str] | None = None) -> list[WorkerProcess]:
+        names = self.pods if pods is None else pods
+        return [w for p in names for w in self.pods[p]]
+
+    def wait_ready(self, pods: Iterable[str], timeout: float = 180.0) -> None:
+        """Wait for every worker's Hello (imports done, warm model built)."""
+        for w in self.workers(pods):
+            wait_for(lambda w=w: w.of_type(Hello) or self._dead(w), timeout, f"hello from {w.name}")
+
+    def _dead(self, w: WorkerProcess) -> bool:
+        if w.eof.is_set():
+            raise AssertionError(f"worker {w.name} exited early:\n{w.log_tail()}")
+        return False
+
+    def kill_pod(self, pod: str, sig: int = signal.SIGKILL) -> None:
+        """What the agent/kubelet does to a failed pod: kill every worker of it."""
+        for w in self.pods[pod]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.process.pid, sig)
+        for w in self.pods[pod]:
+            w.process.wait(timeout=30)
+            w.eof.wait(timeout=30)
+
+    # -- plans -----------------------------------------------------------------------------------
+
+    def assign(self, plan: MeshPlan, pods: Iterable[str] | None = None) -> None:
+        """Push a plan to the workers of ``pods`` (default: every live pod)."""
+        self.epoch = plan.epoch
+        for w in self.workers(pods if pods is not None else self.live_pods()):
+            w.send(Assign(plan=plan, pod=w.pod))
+
+    def live_pods(self) -> list[str]:
+        return [p for p, ws in self.pods.items() if not any(w.eof.is_set() for w in ws)]
+
+    def plan(self, pods: list[str], resume_step: int = 0, **kwargs: Any) -> MeshPlan:
+        return make_plan(self.spec, self.epoch + 1, pods, self.store_port, resume_step=resume_step, **kwargs)
+
+    # -- observations ----------------------------------------------------------------------------
+
+    def wait_failed_reports(self, pods: Iterable[str], epoch: int, timeout: float = 120.0) -> None:
+        """Wait until every worker of ``pods`` reported a failed collective in ``epoch``."""
+        for w in self.workers(pods):
+            wait_for(
+                lambda w=w: any(m.epoch == epoch for m in w.of_type(CollectiveFailed)) or self._dead(w),
+                timeout,
+                f"collective failure report from {w.name}",
+            )
+
+    def wait_steps(self, pods: Iterable[str], step: int, timeout: float = 180.0) -> None:
+        """Wait until every worker of ``pods`` completed ``step`` steps."""
+        for w in self.workers(pods):
+            wait_for(lambda w=w: w.last_step() >= step or self._failed(w), timeout, f"{w.name} to reach step {step}")
+
+    def wait_succeeded(self, pods: Iterable[str], timeout: float = 180.0) -> None:
+        for w in self.workers(pods):
+            wait_for(lambda w=w: "succeeded" in w.states() or self._failed(w), timeout, f"{w.name} to succeed")
+
+    def _failed(self, w: WorkerProcess) -> bool:
+        if "failed" in w.states():
+            raise AssertionError(f"worker {w.name} failed:\n{w.log_tail()}")
+        return self._dead(w)
+
+    def losses(self, pods: Iterable[str]) -> dict[int, float]:
+        """Loss of each completed step as the workers of ``pods`` reported it (they must agree)."""
+        out: dict[int, float] = {}
+        for w in self.workers(pods):
+            for p in w.of_type(Progress):
+                if p.step in out and out[p.step] != p.loss:
+                    raise AssertionError(f"step {p.step}: {w.name} reports loss {p.loss!r}, another {out[p.step]!r}")
+                out[p.step] = p.loss
+        return out
+
+    def phase_times(self) -> list[PhaseTimes]:
+        return [m for w in self.workers() for m in w.of_type(PhaseTimes)]
+
+    def sample_records(self) -> list[dict[str, Any]]:
+        """Every committed step's samples, as the first rank of each replica logged them."""
+        records = []
+        for path in sorted(self.sample_dir.glob("*.jsonl")):
+            records.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        return records
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {w.name} =====\n{w.log_tail()}" for w in self.workers())
+
+    def close(self) -> None:
+        """Shut every worker down; kill what does not exit."""
+        for w in self.workers():
+            w.send(Shutdown(reason="test over"))
+        deadline = time.monotonic() + 20
+        for w in self.workers():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if w.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.process.pid, signal.SIGKILL)  # also ends a SIGSTOPped worker
+                w.process.wait(timeout=10)
+            with contextlib.suppress(OSError):
+                w.channel.close()
+        del self.store

@@ -1,0 +1,15 @@
+"""The training worker: one process per GPU (or CPU slot) that trains a Megatron-Core GPT and
+reconfigures in place when the agent assigns a new :class:`~megatron_contract.mesh.MeshPlan`.
+
+Stages of one reconfiguration, each in its own module, composed by :mod:`.runtime`:
+
+- :mod:`.abort`: abort every communicator of the old epoch and drop every object that holds one;
+- :mod:`.rendezvous`: join the epoch's process groups (TCPStore client + prefix) and Megatron's
+  ``parallel_state``; spares hold a fake, communicator-free world instead;
+- :mod:`.model`: build GPT, DDP wrapper and optimizer for the current groups; hand state over;
+- :mod:`.peer_restore` / :mod:`.checkpoint`: restore state from a DP peer or a checkpoint;
+- :mod:`.verify`: the group agrees on step and checksum before training resumes;
+- :mod:`.lifecycle`: the worker's states and the transitions allowed between them.
+
+Entry point: ``python -m megatron_trainer.worker --channel-fd FD --local-rank I``.
+"""

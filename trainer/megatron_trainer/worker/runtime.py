@@ -1,0 +1,393 @@
+"""The worker's main loop: wait as a spare, join an epoch, restore, verify, train, and reconfigure
+in place when a newer plan arrives or a collective fails. The process is never restarted.
+
+Threads:
+- main: everything that touches torch.distributed and the model;
+- channel reader: receives plans; when a newer plan must interrupt training, it aborts the
+  epoch's communicators at once (NCCL) so the main thread's blocked collective returns;
+- watchdog: aborts the epoch when one step runs past ``collectiveTimeoutSeconds`` (a hung peer).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_contract.mesh import MeshPlan, StateSourceKind
+from megatron_trainer.channel import (
+    Assign,
+    Channel,
+    CollectiveFailed,
+    Hello,
+    PhaseTimes,
+    Progress,
+    Shutdown,
+    WireModel,
+    WorkerStatus,
+)
+from megatron_trainer.faults import FaultPlan, InjectedFault
+from megatron_trainer.worker import abort, checkpoint, rendezvous
+from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
+from megatron_trainer.worker.lifecycle import WorkerState, check_transition
+from megatron_trainer.worker.model import HeldState, TrainState, adopt_state, build_train_state, detach_state
+from megatron_trainer.worker.peer_restore import restore_from_peers
+from megatron_trainer.worker.settings import WorkerSettings
+from megatron_trainer.worker.step import StepAborted, guard_commit, train_step
+from megatron_trainer.worker.verify import verify_state
+
+log = logging.getLogger("megatron_trainer.worker")
+
+
+class _Interrupt(Exception):
+    """Internal: leave the training loop to enter a newer plan (or shut down)."""
+
+
+class Worker:
+    """One training process; see the module docstring."""
+
+    def __init__(self, channel: Channel, local_rank: int, settings: WorkerSettings) -> None:
+        self.channel = channel
+        self.local_rank = local_rank
+        self.spec = settings.spec
+        self.pod = settings.pod
+        self.sample_log_dir = settings.sample_log_dir
+        self.device = rendezvous.device_for(local_rank)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.faults = FaultPlan.from_env()
+        self.source: TokenSource = (
+            IndexedTokens(self.spec.training.data_path, self.spec.model.seq_length)
+            if self.spec.training.data_path
+            else MockTokens(self.spec.training.seed, self.spec.model.vocab_size, self.spec.model.seq_length)
+        )
+        self.state = WorkerState.STARTING
+        self.ts: TrainState | None = None
+        self.held: HeldState | None = None
+        self.epoch = 0  # epoch whose groups this process holds (0: none)
+        self.rank = -1
+        self.store: dist.Store | None = None
+        # Shared with the reader and watchdog threads.
+        self._lock = threading.Lock()
+        self._plan_ready = threading.Condition(self._lock)
+        self._pending: MeshPlan | None = None
+        self._shutdown = False
+        self._aborted = threading.Event()  # the current epoch's communicators were aborted
+        self._abort_reason = ""
+        self._detected_at: float | None = None  # monotonic time the current failure was noticed
+        self._detected_wall: float | None = None
+        self._step_started: float | None = None
+        self._completed = 0  # steps completed, readable by the reader thread
+        self._send_lock = threading.Lock()
+        self._phases: dict[str, float] = {}
+
+    # -- messaging ---------------------------------------------------------------------------------
+
+    def send(self, message: WireModel) -> None:
+        """Send to the agent; a closed channel means the agent is gone, and so must we be."""
+        with self._send_lock:
+            try:
+                self.channel.send(message)
+            except OSError:
+                log.error("channel to the agent is closed; exiting")
+                os._exit(0)
+
+    def _move(self, target: WorkerState, detail: str = "") -> None:
+        self.state = check_transition(self.state, target)
+        wire_state = {WorkerState.WAITING: "reconfiguring"}.get(target, target.value)
+        if wire_state in ("spare", "training", "reconfiguring", "succeeded", "failed"):
+            self.send(WorkerStatus(state=wire_state, epoch=self.epoch, detail=detail))  # type: ignore[arg-type]
+        log.info("state %s (epoch %d) %s", target.value, self.epoch, detail)
+
+    # -- channel reader thread -----------------------------------------------------------------
+
+    def _read_channel(self) -> None:
+        while True:
+            try:
+                message = self.channel.recv_to_worker()
+            except ValueError as err:
+                log.error("unreadable message from the agent ignored: %s", err)
+                continue
+            if message is None:
+                log.warning("agent closed the channel; exiting")
+                os._exit(0)
+            if isinstance(message, Shutdown):
+                log.info("shutdown requested: %s", message.reason)
+                with self._lock:
+                    self._shutdown = True
+                    self._plan_ready.notify_all()
+                self._interrupt("shutdown")
+                threading.Timer(30.0, lambda: os._exit(0)).start()  # blocked in a collective: go anyway
+                continue
+            assert isinstance(message, Assign)
+            self._offer(message.plan)
+
+    def _offer(self, plan: MeshPlan) -> None:
+        with self._lock:
+            newest = self._pending.epoch if self._pending else self.epoch
+            if plan.epoch <= newest:
+                log.warning("plan epoch %d ignored: not newer than %d", plan.epoch, newest)
+                return
+            self._pending = plan
+            self._plan_ready.notify_all()
+            # A plan that resumes at a step already reached interrupts now; one that names a
+            # later step (growth at a boundary) lets training run until that step.
+            urgent = self.state is WorkerState.TRAINING and plan.resume_step <= self._completed
+        if urgent:
+            self._interrupt(f"new plan epoch {plan.epoch}")
+
+    def _interrupt(self, reason: str) -> None:
+        with self._lock:
+            if self._aborted.is_set():
+                return
+            self._abort_reason = reason
+            self._detected_at = time.monotonic()
+            self._detected_wall = time.time()
+            self._aborted.set()
+        if self.backend == "nccl" and self.epoch:
+            took = abort.abort_communicators()
+            log.info("communicators aborted in %.3fs (%s)", took, reason)
+
+    # -- watchdog thread ---------------------------------------------------------------------------
+
+    def _watch_collectives(self) -> None:
+        limit = self.spec.failure_detection.collective_timeout_seconds
+        while True:
+            time.sleep(min(0.5, limit / 4))
+            started = self._step_started
+            if started is not None and self.state is WorkerState.TRAINING and time.monotonic() - started > limit:
+                self._interrupt(f"collective timeout: step running for more than {limit:.1f}s")
+
+    # -- main thread -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start warm, then serve plans until shutdown; returns the exit code."""
+        start = time.perf_counter()
+        self._warm_up()
+        self.send(Hello(local_rank=self.local_rank, pid=os.getpid()))
+        log.info("ready in %.2fs on %s", time.perf_counter() - start, self.device)
+        threading.Thread(target=self._read_channel, daemon=True, name="channel").start()
+        threading.Thread(target=self._watch_collectives, daemon=True, name="watchdog").start()
+        self._move(WorkerState.SPARE)
+        while True:
+            plan = self._next_plan()
+            if plan is None:
+                self._teardown()
+                log.info("shut down")
+                return 0
+            self._enter(plan)
+
+    def _warm_up(self) -> None:
+        """Imports, CUDA context, model built in a communicator-free world: promotion then costs
+        only rendezvous and state transfer."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.zeros(1, device=self.device)  # creates the CUDA context now, not at promotion
+        else:
+            from megatron_trainer import cpu_compat
+
+            cpu_compat.install()
+        rendezvous.join_spare_world(self.spec, self.local_rank)
+        ts = build_train_state(self.spec, self.device, initialize=False)
+        self.held = detach_state(ts)
+        del ts
+        abort.release_process_groups()
+
+    def _next_plan(self) -> MeshPlan | None:
+        with self._lock:
+            while self._pending is None and not self._shutdown:
+                self._plan_ready.wait()
+            if self._shutdown:
+                return None
+            plan, self._pending = self._pending, None
+            return plan
+
+    def _teardown(self) -> None:
+        """Leave the current epoch: keep the state tensors, drop everything holding a group."""
+        if self.ts is None and self.epoch == 0:
+            return
+        start = time.perf_counter()
+        if self.ts is not None:
+            self.held = detach_state(self.ts)
+            self.ts = None
+        gc.collect()  # frames of the failed step may still reference modules
+        abort.release_process_groups()
+        self.epoch = 0
+        self.store = None
+        self._phases["abort"] = self._phases.get("abort", 0.0) + time.perf_counter() - start
+
+    def _enter(self, plan: MeshPlan) -> None:
+        member = plan.member(self.pod)
+        if member is None:
+            self._teardown()
+            self.epoch = 0
+            self._move(WorkerState.SPARE, f"not a member of epoch {plan.epoch}")
+            return
+        if self.local_rank >= len(member.ranks):
+            raise ValueError(
+                f"plan epoch {plan.epoch} gives pod {self.pod} {len(member.ranks)} ranks;"
+                f" this worker is local rank {self.local_rank}"
+            )
+        begin = time.perf_counter()
+        self._move(WorkerState.RECONFIGURING, f"entering epoch {plan.epoch}")
+        self._teardown()
+        phases = self._phases
+        self._phases = {}
+        if self._detected_wall is not None:
+            phases["detected_at_unix"] = self._detected_wall
+        self._aborted.clear()
+        self._detected_at = self._detected_wall = None
+        self.rank = member.ranks[self.local_rank]
+        source = plan.source_of(self.rank)
+        coords = plan.sizes.coords_of(self.rank)
+
+        t = time.perf_counter()
+        self.store = rendezvous.join_epoch(
+            plan, self.rank, self.backend, self.spec.failure_detection.collective_timeout_seconds
+        )
+        self.epoch = plan.epoch
+        phases["rendezvous"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        ts = build_train_state(self.spec, self.device, initialize=source.kind is StateSourceKind.INIT)
+        if source.kind is StateSourceKind.SELF:
+            if self.held is None:
+                raise RuntimeError(f"plan epoch {plan.epoch} says rank {self.rank} keeps its state, but it holds none")
+            adopt_state(ts, self.held)
+        self.held = None
+        guard_commit(ts, self._aborted.is_set)
+        phases["rebuild"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        moved = restore_from_peers(ts, plan, self.device)
+        if any(s.kind is StateSourceKind.CHECKPOINT for s in plan.state_sources):
+            if self.spec.checkpoint is None:
+                raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
+            step = plan.source_of(self.rank).checkpoint_step
+            step = step if step is not None else plan.resume_step
+            checkpoint.load_checkpoint(ts, self.spec.checkpoint.path, step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        phases["restore"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        assert self.store is not None
+        checksum = verify_state(ts, plan, self.rank, self.store)
+        phases["verify"] = time.perf_counter() - t
+        self.ts = ts
+        with self._lock:
+            self._completed = ts.step
+        log.info(
+            "epoch %d rank %d %s: state from %s (%d bytes moved), step %d, checksum %x, in %.3fs",
+            plan.epoch,
+            self.rank,
+            coords.model_dump(),
+            source.kind.value,
+            moved,
+            ts.step,
+            checksum,
+            time.perf_counter() - begin,
+        )
+        self._move(WorkerState.TRAINING, f"rank {self.rank} of {plan.mesh_label}")
+        self._train(plan, phases)
+
+    def _train(self, plan: MeshPlan, phases: dict[str, float]) -> None:
+        assert self.ts is not None
+        ts = self.ts
+        dp_rank = plan.sizes.coords_of(self.rank).dp
+        logs_samples = self._logs_samples(plan)
+        first = True
+        while ts.step < self.spec.training.train_iters:
+            with self._lock:
+                nxt, shutdown = self._pending, self._shutdown
+            if shutdown or (nxt is not None and nxt.resume_step <= ts.step):
+                return  # the main loop enters the next plan (or shuts down)
+            failure: str | None = None
+            self._step_started = time.monotonic()
+            try:
+                step_index = ts.step
+                result = train_step(
+                    ts,
+                    self.source,
+                    plan.batch,
+                    dp_rank,
+                    self.device,
+                    lambda s=step_index: self.faults.maybe_fire(plan.epoch, self.rank, s),
+                )
+            except InjectedFault:
+                raise
+            except (StepAborted, RuntimeError) as err:  # gloo/NCCL errors are RuntimeErrors
+                failure = f"{type(err).__name__}: {err}"
+            finally:
+                self._step_started = None
+            if failure is not None:
+                self._on_step_failure(plan, failure)
+                return
+            with self._lock:
+                self._completed = ts.step
+            if first:
+                phases["first_step"] = result.seconds
+                self.send(PhaseTimes(epoch=plan.epoch, phases=phases))
+                log.info("epoch %d phases: %s", plan.epoch, {k: round(v, 4) for k, v in phases.items()})
+                first = False
+            if logs_samples:
+                self._log_samples(plan, dp_rank, ts.step - 1, result.samples, result.loss)
+            self.send(
+                Progress(
+                    epoch=plan.epoch,
+                    step=ts.step,
+                    consumed_samples=ts.step * plan.batch.global_batch_size,
+                    loss=result.loss,
+                    step_time_seconds=result.seconds,
+                    tokens_per_second=result.tokens / result.seconds if result.seconds > 0 else 0.0,
+                )
+            )
+            ck = self.spec.checkpoint
+            if ck is not None and ts.step % ck.interval_steps == 0:
+                checkpoint.save_checkpoint(ts, ck.path)
+        self._move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
+
+    def _on_step_failure(self, plan: MeshPlan, failure: str) -> None:
+        """The step failed or was aborted: discard it, free the groups, and report when it was
+        not our own decision (a newer plan) that stopped it."""
+        with self._lock:
+            by_plan = self._aborted.is_set() and self._abort_reason.startswith("new plan")
+            if self._detected_at is None:
+                self._detected_at, self._detected_wall = time.monotonic(), time.time()
+                self._abort_reason = failure
+        self._aborted.set()  # late commits of this epoch must refuse
+        log.warning("epoch %d step %d discarded: %s", plan.epoch, self._completed, failure)
+        self._teardown()
+        if by_plan:
+            return
+        self.send(CollectiveFailed(epoch=plan.epoch, reason=failure[:1000]))
+        self._move(WorkerState.WAITING, failure[:200])
+
+    def _logs_samples(
+        self,
+        plan: MeshPlan,
+    ) -> bool:
+        if not self.sample_log_dir:
+            return False
+        c = plan.sizes.coords_of(self.rank)
+        return c.tp == 0 and c.cp == 0 and c.pp == 0
+
+    def _log_samples(self, plan: MeshPlan, dp_rank: int, step: int, samples: tuple[int, ...], loss: float) -> None:
+        assert self.sample_log_dir is not None
+        path = Path(self.sample_log_dir) / f"{self.pod}-{self.local_rank}.jsonl"
+        record = {
+            "epoch": plan.epoch,
+            "step": step,
+            "dpRank": dp_rank,
+            "rank": self.rank,
+            "samples": list(samples),
+            "loss": loss,
+        }
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,61 @@
+"""Environment of a worker process, read in one place.
+
+Set by the agent: ``MEGATRON_JOB_SPEC`` (the full MegatronJobSpec as JSON) and
+``MEGATRON_POD_NAME``. Optional, for tests and benchmarks: ``MEGATRON_WORKER_SAMPLE_LOG`` (a
+directory; one rank per replica appends the sample indices of every committed step),
+``MEGATRON_WORKER_FAULTS`` / ``MEGATRON_WORKER_FAULT_LOG`` (see :mod:`megatron_trainer.faults`).
+
+On GPU the worker defaults the NCCL variables in-process recovery needs (a variable already set
+wins): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the watchdog must not kill the process on an abort),
+``TORCH_NCCL_RETHROW_CUDA_ERRORS=0`` and ``NCCL_NVLS_ENABLE=0`` (NVLink SHARP off, as
+nvidia-resiliency-ext asks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from megatron_contract import wire
+from megatron_contract.job import MegatronJobSpec
+
+ENV_SAMPLE_LOG = "MEGATRON_WORKER_SAMPLE_LOG"
+
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    "NCCL_NVLS_ENABLE": "0",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """What the worker reads from its environment."""
+
+    spec: MegatronJobSpec
+    pod: str
+    sample_log_dir: str | None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
+        """Parse the environment; a missing or malformed variable raises ValueError naming it."""
+        env = os.environ if environ is None else environ
+        raw = env.get(wire.ENV_JOB_SPEC)
+        if not raw:
+            raise ValueError(f"{wire.ENV_JOB_SPEC} is not set: the agent passes the job spec as JSON")
+        try:
+            spec = MegatronJobSpec.model_validate_json(raw)
+        except ValueError as err:
+            raise ValueError(f"{wire.ENV_JOB_SPEC} is not a valid MegatronJobSpec: {err}") from err
+        pod = env.get(wire.ENV_POD_NAME)
+        if not pod:
+            raise ValueError(f"{wire.ENV_POD_NAME} is not set")
+        return cls(spec=spec, pod=pod, sample_log_dir=env.get(ENV_SAMPLE_LOG) or None)
+
+
+def apply_nccl_defaults(environ: dict[str, str] | None = None) -> None:
+    """Default the NCCL variables of in-process recovery (before torch initializes NCCL)."""
+    env = os.environ if environ is None else environ
+    for key, value in NCCL_DEFAULTS.items():
+        env.setdefault(key, value)

@@ -1,0 +1,130 @@
+"""One training step: Megatron's forward-backward schedule over this replica's micro-batches, the
+global loss, and Megatron's optimizer step, committed only if nothing aborted the epoch.
+
+A step is all-or-nothing for a rank: every collective of the step (TP, DP gradient all-reduce,
+loss all-reduce, grad-norm all-reduce) runs before the optimizer's local update, and the update is
+guarded by :class:`StepAborted`, so an aborted step leaves parameters and optimizer state untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_contract.mesh import BatchGeometry
+from megatron_trainer.worker.data import TokenSource, micro_batches
+from megatron_trainer.worker.model import TrainState
+
+
+class StepAborted(RuntimeError):
+    """The epoch was aborted while the step ran; the step is discarded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a completed step reports."""
+
+    loss: float  # mean per-token loss over the global batch
+    samples: tuple[int, ...]  # global sample indices this replica consumed
+    seconds: float
+    tokens: int  # tokens of the global batch
+
+
+def guard_commit(ts: TrainState, aborted: Callable[[], bool]) -> None:
+    """Make the optimizer's local update refuse to run once the epoch is aborted.
+
+    Megatron's ``step()`` runs its collectives (grad norm) and then ``step_with_ready_grads()``,
+    which only touches local memory; checking just before it makes the commit point explicit.
+    """
+    inner = ts.optimizer.step_with_ready_grads
+
+    def guarded() -> Any:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the step's collectives have really finished (or were aborted)
+        if aborted():
+            raise StepAborted("epoch aborted before the optimizer update")
+        return inner()
+
+    ts.optimizer.step_with_ready_grads = guarded
+
+
+def train_step(
+    ts: TrainState,
+    source: TokenSource,
+    batch: BatchGeometry,
+    dp_rank: int,
+    device: torch.device,
+    mid_step_hook: Callable[[], None],
+) -> StepResult:
+    """Run step ``ts.step``; on success ``ts.step`` is incremented.
+
+    Args:
+        ts: model, optimizer and the number of completed steps.
+        source: the job's deterministic samples.
+        batch: the epoch's batch geometry (which samples this replica takes).
+        dp_rank: this rank's data-parallel rank.
+        device: where tensors live.
+        mid_step_hook: called after the first micro-batch's forward pass (fault injection point).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    start = time.perf_counter()
+    mbs = list(micro_batches(source, batch, dp_rank, ts.step, device))
+    seq = mbs[0].tokens.shape[1]
+    positions = torch.arange(seq, device=device).unsqueeze(0)
+    fired = False
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+        nonlocal fired
+        mb = next(data_iterator)
+        output = model(mb.tokens, positions, None, labels=mb.labels)
+        if not fired:
+            fired = True
+            mid_step_hook()
+
+        def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            loss_sum = per_token.float().sum()
+            tokens = torch.tensor(per_token.numel(), dtype=torch.int, device=per_token.device)
+            return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach().double(), tokens.double()])}
+
+        return output, loss_func
+
+    ts.model.zero_grad_buffer()
+    ts.optimizer.zero_grad()
+    reported = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=[ts.model],
+        num_microbatches=len(mbs),
+        seq_length=seq,
+        micro_batch_size=batch.micro_batch_size,
+        forward_only=False,
+    )
+    loss = _global_loss(reported, device, parallel_state)
+    ok, _grad_norm, _ = ts.optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer skipped step {ts.step} (non-finite gradients)")
+    ts.step += 1
+    samples = tuple(i for mb in mbs for i in mb.indices)
+    return StepResult(
+        loss=loss, samples=samples, seconds=time.perf_counter() - start, tokens=batch.global_batch_size * seq
+    )
+
+
+def _global_loss(reported: list[dict[str, torch.Tensor]], device: torch.device, parallel_state: Any) -> float:
+    """Mean per-token loss over the global batch: sum over micro-batches, then over replicas."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage():
+        for r in reported:
+            totals += r["lm loss"].to(device)
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(totals, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(totals[0].item() / totals[1].item())
