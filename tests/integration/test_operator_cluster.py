@@ -22,7 +22,6 @@ The operator's log and the namespace's objects are printed when a test fails.
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,110 +30,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_factories import make_job
-from operator_harness import JobApi, OperatorProcess, RecordingAgents, wait_for
+from operator_harness import Harness, JobApi, harness_for_test, wait_for
 
 from megatron_contract import wire
 
 pytestmark = pytest.mark.cluster
-POOL_LABEL = "megatron.dev/test-pool"
 JOB = "train"
 T = 30.0  # deadline of one wait
 
 
-class Harness:
-    """An operator process, recording agents kept in sync with the pods, private fake GPU nodes."""
-
-    def __init__(self, cluster: Any, namespace: str, tmp: Path) -> None:
-        self.cluster = cluster
-        self.ns = namespace
-        self.api = JobApi(cluster, namespace)
-        self.tmp = tmp
-        self.operators: list[OperatorProcess] = []
-        self.nodes: list[str] = []
-        self._token: str | None = None
-        self.agents = RecordingAgents(self.token)
-        self._stop = threading.Event()
-        self._syncer = threading.Thread(target=self._sync_loop, daemon=True)
-        self._syncer.start()
-
-    def token(self) -> str | None:
-        if self._token is None:
-            self._token = self.api.token(JOB)
-        return self._token
-
-    def _sync_loop(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.agents.sync(self.api.running_pods(JOB))
-            except Exception as exc:  # the cluster may be busy; the next round retries
-                print(f"agent sync: {exc}", file=sys.stderr)
-
-    def add_nodes(self, count: int) -> list[str]:
-        names = self.cluster.add_gpu_nodes(count, gpus_per_node=8, prefix=f"{self.ns}-n")
-        for name in names:
-            self.cluster.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": {POOL_LABEL: self.ns}}},
-                                 content_type="application/merge-patch+json")
-        self.nodes.extend(names)
-        return names
-
-    def cordon(self, names: list[str], unschedulable: bool = True) -> None:
-        for name in names:
-            self.cluster.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"unschedulable": unschedulable}},
-                                 content_type="application/merge-patch+json")
-
-    def start_operator(self, **env: str) -> OperatorProcess:
-        op = OperatorProcess(self.cluster.kubeconfig, self.ns, self.tmp / f"operator-{len(self.operators)}.log",
-                             **env).start()
-        self.operators.append(op)
-        return op
-
-    def submit(self, **spec: Any) -> dict[str, Any]:
-        spec.setdefault("node_selector", {POOL_LABEL: self.ns})
-        status, body = self.api.create_job(make_job(JOB, self.ns, **spec))
-        assert status == 201, body
-        return body
-
-    # -- waits -------------------------------------------------------------------------------------
-
-    def wait_status(self, check: Any, what: str, timeout: float = T) -> dict[str, Any]:
-        return wait_for(lambda: (s := self.api.status(JOB)) and check(s) and s, timeout, what)
-
-    def wait_running(self, epoch: int, timeout: float = T) -> dict[str, Any]:
-        return self.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch") == epoch,
-                                f"phase Running at epoch {epoch}", timeout)
-
-    def members(self, status: dict[str, Any]) -> list[str]:
-        return [m["pod"] for m in status["plan"]["members"]]
-
-    def pod_names(self) -> set[str]:
-        return {p["metadata"]["name"] for p in self.api.pods(JOB) if not p["metadata"].get("deletionTimestamp")}
-
-    def close(self, failed: bool) -> None:
-        if failed:
-            print("=" * 30, "objects of", self.ns)
-            print(self.api.dump())
-            for op in self.operators:
-                print("=" * 30, op.log_path)
-                print(op.log_text()[-20000:])
-        for op in self.operators:
-            op.stop()
-        self._stop.set()
-        self._syncer.join(5)
-        self.agents.close()
-        self.api.delete_job(JOB)
-        for name in self.nodes:
-            self.cluster.request("DELETE", f"/api/v1/nodes/{name}")
-
-
 @pytest.fixture
 def h(local_cluster: Any, namespace: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Harness]:
-    failed_before = request.session.testsfailed
-    harness = Harness(local_cluster, namespace, tmp_path)
-    try:
-        yield harness
-    finally:
-        harness.close(failed=request.session.testsfailed > failed_before)
+    yield from harness_for_test(local_cluster, namespace, tmp_path, request, JOB)
 
 
 def _start(h: Harness, nodes: int = 1, **spec: Any) -> dict[str, Any]:

@@ -21,11 +21,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import ClientSession, ClientTimeout, web
+from operator_factories import make_job
 
 from megatron_contract import wire
 
@@ -33,6 +34,8 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("contract", "operator", "trainer", "localcluster"))
 JOBS = f"/apis/{wire.GROUP}/{wire.VERSION}"
+POOL_LABEL = "megatron.dev/test-pool"
+WAIT_SECONDS = 30.0
 
 
 def free_port() -> int:
@@ -297,3 +300,99 @@ class JobApi:
             out.append(f"event {ev.get('type')} {ev.get('reason')} {ev['involvedObject'].get('name')}: "
                        f"{ev.get('message')}")
         return "\n".join(out)
+
+
+class Harness:
+    """An operator process, recording agents kept in sync with the pods, private fake GPU nodes."""
+
+    def __init__(self, cluster: Any, namespace: str, tmp: Path, job: str = "train") -> None:
+        self.job = job
+        self.cluster = cluster
+        self.ns = namespace
+        self.api = JobApi(cluster, namespace)
+        self.tmp = tmp
+        self.operators: list[OperatorProcess] = []
+        self.nodes: list[str] = []
+        self._token: str | None = None
+        self.agents = RecordingAgents(self.token)
+        self._stop = threading.Event()
+        self._syncer = threading.Thread(target=self._sync_loop, daemon=True)
+        self._syncer.start()
+
+    def token(self) -> str | None:
+        if self._token is None:
+            self._token = self.api.token(self.job)
+        return self._token
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.agents.sync(self.api.running_pods(self.job))
+            except Exception as exc:  # the cluster may be busy; the next round retries
+                print(f"agent sync: {exc}", file=sys.stderr)
+
+    def add_nodes(self, count: int) -> list[str]:
+        names = self.cluster.add_gpu_nodes(count, gpus_per_node=8, prefix=f"{self.ns}-n")
+        for name in names:
+            self.cluster.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": {POOL_LABEL: self.ns}}},
+                                 content_type="application/merge-patch+json")
+        self.nodes.extend(names)
+        return names
+
+    def cordon(self, names: list[str], unschedulable: bool = True) -> None:
+        for name in names:
+            self.cluster.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"unschedulable": unschedulable}},
+                                 content_type="application/merge-patch+json")
+
+    def start_operator(self, **env: str) -> OperatorProcess:
+        op = OperatorProcess(self.cluster.kubeconfig, self.ns, self.tmp / f"operator-{len(self.operators)}.log",
+                             **env).start()
+        self.operators.append(op)
+        return op
+
+    def submit(self, **spec: Any) -> dict[str, Any]:
+        spec.setdefault("node_selector", {POOL_LABEL: self.ns})
+        status, body = self.api.create_job(make_job(self.job, self.ns, **spec))
+        assert status == 201, body
+        return body
+
+    # -- waits -------------------------------------------------------------------------------------
+
+    def wait_status(self, check: Any, what: str, timeout: float = WAIT_SECONDS) -> dict[str, Any]:
+        return wait_for(lambda: (s := self.api.status(self.job)) and check(s) and s, timeout, what)
+
+    def wait_running(self, epoch: int, timeout: float = WAIT_SECONDS) -> dict[str, Any]:
+        return self.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch") == epoch,
+                                f"phase Running at epoch {epoch}", timeout)
+
+    def members(self, status: dict[str, Any]) -> list[str]:
+        return [m["pod"] for m in status["plan"]["members"]]
+
+    def pod_names(self) -> set[str]:
+        return {p["metadata"]["name"] for p in self.api.pods(self.job) if not p["metadata"].get("deletionTimestamp")}
+
+    def close(self, failed: bool) -> None:
+        if failed:
+            print("=" * 30, "objects of", self.ns)
+            print(self.api.dump())
+            for op in self.operators:
+                print("=" * 30, op.log_path)
+                print(op.log_text()[-20000:])
+        for op in self.operators:
+            op.stop()
+        self._stop.set()
+        self._syncer.join(5)
+        self.agents.close()
+        self.api.delete_job(self.job)
+        for name in self.nodes:
+            self.cluster.request("DELETE", f"/api/v1/nodes/{name}")
+
+
+def harness_for_test(cluster: Any, namespace: str, tmp: Path, request: Any, job: str) -> Iterator[Harness]:
+    """A Harness for one test; dumps logs and objects when the test failed."""
+    failed_before = request.session.testsfailed
+    harness = Harness(cluster, namespace, tmp, job)
+    try:
+        yield harness
+    finally:
+        harness.close(failed=request.session.testsfailed > failed_before)
