@@ -89,6 +89,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only warnings of kopf's own become events; ours are posted explicitly after status writes.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    # kopf waits this long for more events of one object before handling them: keep detection fast.
+    settings.batching.batch_window = 0.02
     settings.networking.request_timeout = 30
     # Leader election (see leader.py) keeps a single acting replica; kopf's peering is not needed.
     settings.peering.standalone = True
