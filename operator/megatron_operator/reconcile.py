@@ -196,8 +196,9 @@ def assess(
         create_workers = min(deficit, max(0, spec.worker_pods - worker_pods_alive))
     create_spares = deficit - create_workers
 
+    why = {**known_failures, **{f.pod: f for f in failures}}
     delete = tuple(
-        (p.name, _force_delete(health[p.name][1]) or _force_delete(known_failures.get(p.name)))
+        (p.name, _force_delete(health[p.name][1]) or _force_delete(why.get(p.name)))
         for p in pods
         if (p.name in failed or health[p.name][0] is PodHealth.FAILED) and not p.deleting
     )

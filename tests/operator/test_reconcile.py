@@ -1,0 +1,126 @@
+"""Desired versus actual (``megatron_operator.reconcile.assess``), pure.
+
+Scenarios: a new job gets its worker pods and spares created; the first plan waits for every
+worker to run; a deleted member, a silent agent, an accused peer and a self-reported failure are
+failures, once each; failed pods are deleted (without grace when their node or agent is gone);
+a consumed spare is replaced and pods on their way are not created twice; maxRecoveries ends the
+job; members that succeeded end it Succeeded and release the spares; phases of a running job.
+"""
+
+from __future__ import annotations
+
+from operator_factories import JOB_UID, make_pod, make_spec
+
+from megatron_contract.job import JobPhase, MegatronJobStatus
+from megatron_contract.mesh import PlanReason
+from megatron_operator.failures import Failure, FailureReason, PodFacts
+from megatron_operator.heartbeats import Accusation
+from megatron_operator.planner import Outcome
+from megatron_operator.reconcile import AgentSignals, assess, phase_of
+from megatron_operator.status import Reason
+
+SPEC = make_spec(replicas=2, spares=1, min_replicas=1, max_recoveries=5)
+NODES = {"gpu-0": "True"}
+
+
+def _pods(*names: str, role: str = "worker", **kw: object) -> list[PodFacts]:
+    return [PodFacts.of(make_pod(n, role=role, index=int(n.split("-")[1]), ip=f"127.64.0.{i + 1}", **kw))
+            for i, n in enumerate(names)]
+
+
+def _running_job() -> tuple[MegatronJobStatus, list[PodFacts]]:
+    pods = _pods("job-0", "job-1") + _pods("job-2", role="spare")
+    a = assess(SPEC, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {})
+    assert a.plan is not None
+    return MegatronJobStatus(phase=JobPhase.RUNNING, plan=a.plan, epoch=1), pods
+
+
+def test_new_job_creates_workers_and_spares() -> None:
+    a = assess(SPEC, JOB_UID, MegatronJobStatus(), [], NODES, AgentSignals(), {})
+    assert (a.create_workers, a.create_spares, a.decision) == (2, 1, None)
+    on_the_way = assess(SPEC, JOB_UID, MegatronJobStatus(), [], NODES, AgentSignals(), {},
+                        expected=["job-0", "job-1", "job-2"])
+    assert (on_the_way.create_workers, on_the_way.create_spares) == (0, 0)
+
+
+def test_first_plan_waits_for_every_worker() -> None:
+    pods = [*_pods("job-0"), PodFacts.of(make_pod("job-1", phase="Pending", ip=None, index=1))]
+    a = assess(SPEC, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {})
+    assert a.decision is None and a.create_spares == 1
+    status, pods = _running_job()
+    assert status.plan is not None and {m.pod for m in status.plan.members} == {"job-0", "job-1"}
+
+
+def test_deleted_member_is_replaced_by_the_spare_and_a_new_spare_is_made() -> None:
+    status, pods = _running_job()
+    left = [p for p in pods if p.name != "job-0"]
+    a = assess(SPEC, JOB_UID, status, left, NODES, AgentSignals(), {})
+    assert [(f.pod, f.reason) for f in a.failures] == [("job-0", FailureReason.POD_DELETED)]
+    assert a.plan is not None and a.plan.reason is PlanReason.REPLACE and a.plan.epoch == 2
+    assert {m.pod for m in a.plan.members} == {"job-1", "job-2"}
+    assert a.create_spares == 1 and a.create_workers == 0
+    # The next pass knows the failure already: no second report, nothing planned again.
+    status2 = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=a.plan, epoch=2, recoveries=1)
+    b = assess(SPEC, JOB_UID, status2, left, NODES, AgentSignals(), {f.pod: f for f in a.failures},
+               expected=["job-3"])
+    assert b.failures == () and b.decision is not None and b.decision.outcome is Outcome.UNCHANGED
+    assert b.create_spares == 0
+
+
+def test_agent_signals_are_failures() -> None:
+    status, pods = _running_job()
+    signals = AgentSignals(silent=["job-2"], unhealthy=["job-1"],
+                           accusations=[Accusation(1, "job-1", None, 0, "allreduce timed out"),
+                                        Accusation(0, "job-1", "job-1", None, "old epoch, ignored")])
+    a = assess(SPEC, JOB_UID, status, pods, NODES, signals, {})
+    reasons = {f.pod: f.reason for f in a.failures}
+    assert reasons == {"job-0": FailureReason.PEER_REPORTED, "job-2": FailureReason.HEARTBEAT_MISSING,
+                       "job-1": FailureReason.AGENT_REPORTED}
+    assert dict(a.delete) == {"job-0": False, "job-1": False, "job-2": True}
+    assert a.decision is not None and a.decision.outcome is Outcome.WAIT
+
+
+def test_failed_pods_on_dead_nodes_are_deleted_without_grace() -> None:
+    status, pods = _running_job()
+    a = assess(SPEC, JOB_UID, status, pods, {"gpu-0": "Unknown"}, AgentSignals(), {})
+    assert all(force for _, force in a.delete) and len(a.delete) == 3
+
+
+def test_max_recoveries_ends_the_job() -> None:
+    status, pods = _running_job()
+    status = status.model_copy(update={"recoveries": 5})
+    a = assess(SPEC, JOB_UID, status, pods[1:], NODES, AgentSignals(), {})
+    assert a.terminal is not None and a.terminal.phase is JobPhase.FAILED
+    assert a.terminal.reason == Reason.MAX_RECOVERIES and "maxRecoveries is 5" in a.terminal.message
+    assert {name for name, _ in a.delete} == {"job-1", "job-2"}
+
+
+def test_success_ends_the_job_and_releases_spares() -> None:
+    status, pods = _running_job()
+    done = [PodFacts.of(make_pod(p.name, role=p.role, index=p.serial, phase="Succeeded",
+                                 terminated={"exitCode": 0})) if p.role == "worker" else p for p in pods]
+    a = assess(SPEC, JOB_UID, status, done, NODES, AgentSignals(), {})
+    assert a.terminal is not None and a.terminal.phase is JobPhase.SUCCEEDED
+    assert [name for name, _ in a.delete] == ["job-2"]
+    b = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(all_succeeded=True), {})
+    assert b.terminal is not None and b.terminal.phase is JobPhase.SUCCEEDED
+
+
+def test_phase_of() -> None:
+    status, _ = _running_job()
+    plan = status.plan
+    assert phase_of(None, False, False, False) == (JobPhase.PENDING, Reason.WAITING_FOR_PODS)
+    assert phase_of(None, False, False, True)[0] is JobPhase.STARTING
+    assert phase_of(plan, False, False, True) == (JobPhase.STARTING, Reason.PUSHING_PLAN)
+    assert phase_of(plan, True, False, True)[0] is JobPhase.RUNNING
+    assert phase_of(plan, True, True, True)[0] is JobPhase.DEGRADED
+    assert plan is not None
+    later = plan.model_copy(update={"reason": PlanReason.REPLACE, "epoch": 2})
+    assert phase_of(later, False, False, True)[0] is JobPhase.RECOVERING
+
+
+def test_known_failures_are_not_reported_twice() -> None:
+    status, pods = _running_job()
+    known = {"job-2": Failure("job-2", FailureReason.HEARTBEAT_MISSING, "x")}
+    a = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(silent=["job-2"]), known)
+    assert a.failures == () and ("job-2", True) in a.delete

@@ -1,0 +1,82 @@
+"""Status computation (``megatron_operator.status``), pure.
+
+Scenarios: Ready, Recovering, Failed and Succeeded are exclusive and flip together; a condition
+keeps its lastTransitionTime until its status flips; Degraded says why (shrunk mesh or below
+minReplicas); SparesExhausted follows the ready spares; mesh, epoch, ready counts and completion
+time are filled in; an unchanged observation writes nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from operator_factories import JOB_UID, make_pod_refs, make_spec
+
+from megatron_contract.job import JobPhase, MegatronJobStatus
+from megatron_operator.planner import plan_mesh
+from megatron_operator.status import Observation, Reason, compute_status, status_changed
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SPEC = make_spec(replicas=2, spares=1)
+PLAN = plan_mesh(SPEC, JOB_UID, make_pod_refs(2), [], [], None).plan
+
+
+def _obs(phase: JobPhase, reason: str = "R", **kw: object) -> Observation:
+    base: dict[str, object] = dict(phase=phase, reason=reason, message="m", plan=PLAN, replicas=2, ready_workers=2,
+                                   spares_ready=1, spares_wanted=1, recoveries=0)
+    base.update(kw)
+    return Observation(**base)  # type: ignore[arg-type]
+
+
+def _conds(status: MegatronJobStatus) -> dict[str, tuple[str, str, datetime]]:
+    return {c.type: (c.status, c.reason, c.last_transition_time) for c in status.conditions}
+
+
+def test_exclusive_conditions_flip_together() -> None:
+    running = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, Reason.PLAN_ACKNOWLEDGED), T0)
+    c = _conds(running)
+    assert c["Ready"][0] == "True" and c["Recovering"][0] == "False"
+    recovering = compute_status(running, _obs(JobPhase.RECOVERING, Reason.RECOVERING), T0 + timedelta(seconds=5))
+    c = _conds(recovering)
+    assert c["Ready"][0] == "False" and c["Recovering"][0] == "True"
+    assert c["Ready"][2] == c["Recovering"][2] == T0 + timedelta(seconds=5)
+    failed = compute_status(recovering, _obs(JobPhase.FAILED, Reason.MAX_RECOVERIES), T0 + timedelta(seconds=9))
+    c = _conds(failed)
+    assert c["Failed"][:2] == ("True", Reason.MAX_RECOVERIES)
+    assert c["Ready"][0] == c["Recovering"][0] == "False"
+    assert failed.completion_time == T0 + timedelta(seconds=9)
+
+
+def test_transition_time_moves_only_on_a_flip() -> None:
+    first = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING), T0)
+    again = compute_status(first, _obs(JobPhase.RUNNING, ready_workers=1), T0 + timedelta(seconds=30))
+    assert _conds(again)["Ready"][2] == T0
+    assert again.ready == "1/2"
+
+
+def test_degraded_says_why() -> None:
+    shrunk_plan = plan_mesh(SPEC, JOB_UID, make_pod_refs(2)[1:], [], ["p0"], PLAN).plan
+    shrunk = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, plan=shrunk_plan), T0)
+    assert _conds(shrunk)["Degraded"][:2] == ("True", Reason.MESH_SHRUNK)
+    waiting = compute_status(shrunk, _obs(JobPhase.DEGRADED, Reason.BELOW_MIN_REPLICAS), T0)
+    assert _conds(waiting)["Degraded"][:2] == ("True", Reason.BELOW_MIN_REPLICAS)
+    full = compute_status(waiting, _obs(JobPhase.RUNNING), T0)
+    assert _conds(full)["Degraded"][:2] == ("False", Reason.FULL_MESH)
+
+
+def test_spares_exhausted() -> None:
+    none = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, spares_ready=0), T0)
+    assert _conds(none)["SparesExhausted"][:2] == ("True", Reason.NO_SPARE_READY)
+    some = compute_status(none, _obs(JobPhase.RUNNING, spares_ready=1), T0)
+    assert _conds(some)["SparesExhausted"][0] == "False"
+    unwanted = compute_status(none, _obs(JobPhase.RUNNING, spares_ready=0, spares_wanted=0), T0)
+    assert _conds(unwanted)["SparesExhausted"][:2] == ("False", Reason.NO_SPARES_REQUESTED)
+
+
+def test_fields_and_no_op() -> None:
+    status = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, recoveries=3, step=42), T0)
+    assert (status.mesh, status.epoch, status.desired_workers, status.spares_ready, status.recoveries, status.step) \
+        == ("2x1x1", 1, 2, 1, 3, 42)
+    assert status.start_time == T0 and status.completion_time is None
+    assert not status_changed(status, compute_status(status, _obs(JobPhase.RUNNING, recoveries=3, step=42), T0))
+    assert status_changed(status, compute_status(status, _obs(JobPhase.RUNNING, recoveries=4, step=42), T0))
