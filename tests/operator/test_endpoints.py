@@ -1,0 +1,150 @@
+"""The operator's HTTP sides, over real loopback sockets: plan pushes and the report endpoint;
+and the conflict retry of status writes (with the API call faked: a fast unit test of one function).
+
+Scenarios: a plan goes to every member at once with the bearer token, serialized as the contract's
+wire form; 2xx and 409 count as delivered, 401/403, 5xx and a closed port do not; the report
+endpoint refuses a missing token (401), a wrong one (403), an unknown job (404) and a bad body
+(400), accepts one report or a batch and answers with the epoch in force; a status write that
+conflicts is retried with a fresh read and gives up with a clear error after repeated conflicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession, web
+from kubernetes.client.exceptions import ApiException
+from operator_factories import JOB_UID, make_spec
+
+from megatron_contract import wire
+from megatron_contract.agent import AgentReport
+from megatron_contract.mesh import MeshPlan
+from megatron_operator import kube
+from megatron_operator.planner import PodRef, plan_mesh
+from megatron_operator.push import PlanPusher, PushResult
+from megatron_operator.reports import build_app
+
+
+def _plan(refs: list[PodRef]) -> MeshPlan:
+    plan = plan_mesh(make_spec(replicas=len(refs), spares=0), JOB_UID, refs, [], [], None).plan
+    assert plan is not None
+    return plan
+
+
+async def _agent(ip: str, port: int, status: int, seen: list[tuple[str, dict[str, Any]]]) -> web.AppRunner:
+    async def handle(request: web.Request) -> web.Response:
+        seen.append((request.headers.get(wire.AUTH_HEADER, ""), await request.json()))
+        return web.json_response({}, status=status)
+
+    app = web.Application()
+    app.router.add_post(wire.AGENT_PLAN_PATH, handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, ip, port).start()
+    return runner
+
+
+def test_push_reaches_every_member_and_classifies_answers() -> None:
+    async def run() -> None:
+        answers = {"127.0.0.11": 200, "127.0.0.12": 409, "127.0.0.13": 403, "127.0.0.14": 500}
+        refs = [PodRef(f"p{i}", f"u{i}", ip) for i, ip in enumerate([*answers, "127.0.0.15"])]
+        plan = _plan(refs)
+        with socket.socket() as probe:  # a port free on these loopback addresses
+            probe.bind(("127.0.0.11", 0))
+            port = probe.getsockname()[1]
+        plan = plan.model_copy(update={"members": [m.model_copy(update={"agent_port": port}) for m in plan.members]})
+        seen: list[tuple[str, dict[str, Any]]] = []
+        runners = [await _agent(ip, port, code, seen) for ip, code in answers.items()]
+        pusher = PlanPusher(timeout=2)
+        try:
+            outcomes = {o.pod: o.result for o in await pusher.push(plan, "tok")}
+        finally:
+            await pusher.close()
+            for r in runners:
+                await r.cleanup()
+        assert outcomes == {"p0": PushResult.ACCEPTED, "p1": PushResult.ALREADY_HELD, "p2": PushResult.UNAUTHORIZED,
+                            "p3": PushResult.ERROR, "p4": PushResult.ERROR}
+        assert [o.delivered for o in (PushResult.ACCEPTED, PushResult.ALREADY_HELD, PushResult.ERROR)] == \
+            [True, True, False]
+        assert len(seen) == 4 and all(auth == "Bearer tok" for auth, _ in seen)
+        assert MeshPlan.model_validate(seen[0][1]) == plan
+
+    asyncio.run(run())
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list[AgentReport] = []
+
+    def token_for(self, job_uid: str) -> str | None:
+        return "secret" if job_uid == JOB_UID else None
+
+    def accept_reports(self, job_uid: str, reports: list[AgentReport]) -> int:
+        self.got.extend(reports)
+        return 7
+
+
+def test_report_endpoint_authenticates_and_answers_the_epoch() -> None:
+    async def run() -> None:
+        sink = _Sink()
+        runner = web.AppRunner(build_app(sink))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}{wire.OPERATOR_REPORT_PATH}"
+        report = {"jobUid": JOB_UID, "pod": "p0", "epoch": 3, "state": "training", "step": 5}
+        try:
+            async with ClientSession() as s:
+                async def post(body: Any, token: str | None) -> tuple[int, Any]:
+                    headers = {wire.AUTH_HEADER: f"Bearer {token}"} if token else {}
+                    async with s.post(url, json=body, headers=headers) as resp:
+                        return resp.status, await resp.json()
+
+                assert (await post(report, None))[0] == 401
+                assert (await post(report, "wrong"))[0] == 403
+                assert (await post({**report, "jobUid": "other"}, "secret"))[0] == 404
+                assert (await post({**report, "epoch": -1}, "secret"))[0] == 400
+                assert (await post({"reports": []}, "secret"))[0] == 400
+                assert await post(report, "secret") == (200, {"epoch": 7, "accepted": 1})
+                batch = {"reports": [report, {**report, "pod": "p1"}]}
+                assert await post(batch, "secret") == (200, {"epoch": 7, "accepted": 2})
+        finally:
+            await runner.cleanup()
+        assert [r.pod for r in sink.got] == ["p0", "p0", "p1"]
+
+    asyncio.run(run())
+
+
+def test_status_write_retries_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    async def fake_get(namespace: str, name: str) -> dict[str, Any]:
+        calls.append("get")
+        return {"metadata": {"name": name, "resourceVersion": str(len(calls))}}
+
+    conflicts = iter([True, True, False])
+
+    async def fake_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("put")
+        if next(conflicts):
+            raise ApiException(status=409, reason="Conflict")
+        return args[-1]
+
+    monkeypatch.setattr(kube, "get_job", fake_get)
+    monkeypatch.setattr(kube, "_call", fake_call)
+    monkeypatch.setattr(kube, "_custom", lambda: type("C", (), {"replace_namespaced_custom_object_status": None})())
+    stored = asyncio.run(kube.replace_status("ns", "job", {"phase": "Running"}))
+    assert stored["status"] == {"phase": "Running"}
+    assert calls == ["get", "put", "get", "put", "get", "put"]
+
+    async def always_conflict(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ApiException(status=409, reason="Conflict")
+
+    monkeypatch.setattr(kube, "_call", always_conflict)
+    with pytest.raises(kube.KubeError, match="still conflicting"):
+        asyncio.run(kube.replace_status("ns", "job", {}))
+
