@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -105,35 +106,37 @@ async def cleanup(**_: Any) -> None:
 
 
 @kopf.index("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
-def pods_by_job(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[tuple[str, str], PodFacts]:
+def pods_by_job(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str | None, str], PodFacts]:
     """The job's pods, keyed by (namespace, job name): the actual state every decision starts from."""
     return {(namespace, labels[wire.LABEL_JOB]): PodFacts.of(body)}
 
 
 @kopf.index("nodes")
-def node_readiness(name: str, body: Any, **_: Any) -> dict[str, str]:
+def node_readiness(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
     """Ready status of every node."""
     return {name: node_ready_status(body)}
 
 
 @kopf.on.event("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
-def pod_event(namespace: str, labels: dict[str, str], pods_by_job: Any, **_: Any) -> None:
-    REGISTRY.pods_index = pods_by_job
-    REGISTRY.wake(namespace, labels[wire.LABEL_JOB])
+def pod_event(namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
+    REGISTRY.pods_index = kwargs["pods_by_job"]
+    REGISTRY.wake(namespace or "", labels[wire.LABEL_JOB])
 
 
 @kopf.on.event("nodes")
-def node_event(node_readiness: Any, type: str | None, **_: Any) -> None:
-    REGISTRY.nodes_index = node_readiness
+def node_event(type: str | None, **kwargs: Any) -> None:
+    REGISTRY.nodes_index = kwargs["node_readiness"]
     if type is not None:  # not the initial listing
         REGISTRY.wake_all()
 
 
 @kopf.daemon(wire.GROUP, wire.VERSION, wire.PLURAL, cancellation_timeout=2.0)
-async def job_daemon(body: Any, stopped: Any, pods_by_job: Any, node_readiness: Any, **_: Any) -> None:
+async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
     """One controller per job, for as long as the job exists."""
-    REGISTRY.pods_index = pods_by_job
-    REGISTRY.nodes_index = node_readiness
+    REGISTRY.pods_index = kwargs["pods_by_job"]
+    REGISTRY.nodes_index = kwargs["node_readiness"]
     job = JobRef.of(body)
     key = (job.namespace, job.name)
     ctl = JobController(

@@ -14,7 +14,7 @@ import concurrent.futures
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import kopf
 from kubernetes import client, config
@@ -129,10 +129,8 @@ async def read_token(namespace: str, name: str) -> str:
 
 async def get_job(namespace: str, name: str) -> dict[str, Any]:
     """The MegatronJob as stored now."""
-    job: dict[str, Any] = await _call(
-        _custom().get_namespaced_custom_object, wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name
-    )
-    return job
+    job = await _call(_custom().get_namespaced_custom_object, wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name)
+    return cast(dict[str, Any], job)
 
 
 async def replace_status(namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
@@ -144,11 +142,11 @@ async def replace_status(namespace: str, name: str, status: dict[str, Any]) -> d
         job = await get_job(namespace, name)
         job["status"] = status
         try:
-            stored: dict[str, Any] = await _call(
+            stored = await _call(
                 _custom().replace_namespaced_custom_object_status,
                 wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name, job,
             )
-            return stored
+            return cast(dict[str, Any], stored)
         except ApiException as exc:
             if exc.status != 409:
                 raise

@@ -219,16 +219,16 @@ def plan_mesh(
     keep_damaged = keep_damaged[: max(0, n_units - len(intact))]
     kept_intact = intact[:n_units]
     dropped = [u for u in damaged if u not in keep_damaged]
-    pool: list[PodRef] = list(spares)
-    pool.extend(active[n] for u in dropped for n in u if n in survivors)
-    pool.reverse()  # pop() takes spares first, so released pods tend to stay spares
+    fillers: list[PodRef] = list(spares)
+    fillers.extend(active[n] for u in dropped for n in u if n in survivors)
+    fillers.reverse()  # pop() takes spares first, so released pods tend to stay spares
 
     new_units: list[list[PodRef]] = []
     # Kept units stay in their previous order, so dp ranks move as little as possible.
     for unit in (u for u in previous_units if u in kept_intact or u in keep_damaged):
-        new_units.append([active[name] if name in survivors else pool.pop() for name in unit])
+        new_units.append([active[name] if name in survivors else fillers.pop() for name in unit])
     while len(new_units) < n_units:
-        new_units.append([pool.pop() for _ in range(shape.pods_per_unit)])
+        new_units.append([fillers.pop() for _ in range(shape.pods_per_unit)])
 
     members = {p.name for u in new_units for p in u}
     promoted = tuple(p.name for u in new_units for p in u if p.name not in survivors)

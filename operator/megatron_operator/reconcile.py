@@ -98,9 +98,9 @@ def _detect(
         for acc in signals.accusations:
             if acc.epoch != plan.epoch:
                 continue
-            pod = acc.pod or (pod_of_rank.get(acc.rank) if acc.rank is not None else None)
-            if pod and pod != acc.reporter:
-                note(Failure(pod, FailureReason.PEER_REPORTED, f"{acc.reporter} reports: {acc.reason}"[:1024]))
+            accused = acc.pod or (pod_of_rank.get(acc.rank) if acc.rank is not None else None)
+            if accused and accused != acc.reporter:
+                note(Failure(accused, FailureReason.PEER_REPORTED, f"{acc.reporter} reports: {acc.reason}"[:1024]))
     for name in signals.silent:
         note(Failure(name, FailureReason.HEARTBEAT_MISSING, f"no heartbeat from the agent of {name}"))
     for name in signals.unhealthy:
