@@ -1,0 +1,121 @@
+"""Support for end-to-end runs: the operator as a real subprocess, job builders, waiting, dumps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from localcluster.cluster import LocalCluster, free_port
+from localcluster.nodeagent import LOCAL_NODE_LABEL
+
+JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
+
+
+def make_elastic_job(
+    name: str = "e2e", *, replicas: int = 2, spares: int = 1, train_iters: int = 40, **spec: Any
+) -> dict[str, Any]:
+    """A tiny GPT job whose pods run the real trainer agent on the node agent's process nodes."""
+    body: dict[str, Any] = {
+        "image": "megatron-trainer:local",
+        "command": ["python", "-m", "megatron_trainer.agent"],
+        "tp": 1,
+        "pp": 1,
+        "gpusPerPod": 1,
+        "replicas": replicas,
+        "minReplicas": 1,
+        "spares": spares,
+        "nodeSelector": {LOCAL_NODE_LABEL: "true"},
+        "model": {"numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 2, "seqLength": 16, "vocabSize": 128},
+        "training": {"globalBatchSize": 4, "microBatchSize": 1, "trainIters": train_iters, "lr": 0.001, "seed": 7},
+        "failureDetection": {
+            "heartbeatIntervalSeconds": 1,
+            "heartbeatTimeoutSeconds": 20,
+            "collectiveTimeoutSeconds": 15,
+        },
+        "maxRecoveries": 5,
+    }
+    body.update(spec)
+    return {"apiVersion": "megatron.dev/v1alpha1", "kind": "MegatronJob", "metadata": {"name": name}, "spec": body}
+
+
+@contextmanager
+def running_operator(cluster: LocalCluster, namespace: str, log: Path) -> Iterator[str]:
+    """Run ``python -m megatron_operator`` for ``namespace``; yields the URL agents report to."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "MEGATRON_OPERATOR_NAMESPACES": namespace,
+        "MEGATRON_OPERATOR_URL": url,
+        "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
+        "MEGATRON_OPERATOR_REPORT_PORT": str(port),
+        "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
+    }
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_operator"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def job_status(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
+    code, job = cluster.request("GET", JOBS.format(ns=namespace) + f"/{name}")
+    assert code == 200, job
+    status: dict[str, Any] = job.get("status") or {}
+    return status
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float, on_timeout: Callable[[], str]) -> Any:
+    """Poll ``cond`` until truthy; on timeout fail with ``what`` and the dump from ``on_timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{on_timeout()}")
+        time.sleep(0.25)
+
+
+def dump(cluster: LocalCluster, namespace: str, operator_log: Path) -> str:
+    """The operator's log tail, the job, the pods and each pod's log tail: what a failure needs."""
+    parts = ["--- operator log (tail)", _tail(operator_log, 80)]
+    parts.append("--- megatronjobs")
+    parts.append(cluster.kubectl("get", "mj", "-n", namespace, "-o", "yaml", check=False).stdout[-6000:])
+    parts.append("--- pods")
+    parts.append(cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", "--show-labels", check=False).stdout)
+    parts.append(cluster.kubectl("get", "events", "-n", namespace, check=False).stdout[-4000:])
+    for pod_log in sorted((cluster.workdir / "pods").glob(f"{namespace}_*.log")):
+        parts += [f"--- {pod_log.name} (tail)", _tail(pod_log, 30)]
+    return "\n".join(parts)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(none)"
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, indent=1, default=str)[:4000]
