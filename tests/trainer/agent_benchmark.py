@@ -45,7 +45,11 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="agent-bench-"))
     started = time.monotonic()
     agent = AgentProcess(
-        "pod-a", spec, logs, operator_url=operator.url, extra_env={"MEGATRON_WORKER_MAX_RESTARTS": "1000"}
+        "pod-a",
+        spec,
+        logs,
+        operator_url=operator.url,
+        extra_env={"MEGATRON_WORKER_MAX_RESTARTS": "1000", "MEGATRON_WORKER_HANG_TIMEOUT_SECONDS": str(hang_timeout)},
     )
     try:
         wait_for(lambda: agent.state(), 60, "control port")

@@ -1,22 +1,29 @@
 """End to end: three agents on loopback addresses running the real Megatron-Core workers
 (tiny GPT, CPU, gloo), the test process playing the operator.
 
-Scenario (marked slow; about a minute on 2 CPU cores):
+Scenarios (marked slow; each about a minute on 2 shared CPU cores):
 - pods A and B train as two data-parallel replicas (plan epoch 1, store on A); pod C is a hot
-  spare whose worker is up (Hello) but holds no process group;
+  spare whose workers are up (Hello) but hold no process group;
 - /v1/state and the heartbeats show epoch 1 and rising steps on A and B;
-- B's worker is SIGKILLed mid-training: B's agent reports its own failure and exits; A's worker
-  sees the collective fail and A reports the failed collective (naming B when the worker can tell);
-- the operator (the test) pushes epoch 2, which promotes C into B's ranks with its state from A
-  (a DP peer) and resumes at A's last completed step; A and C train again in epoch 2, and the
-  heartbeats and /v1/state show it, with A's reconfiguration phases recorded in its metrics.
+- a worker of B fails mid-training, in one of two ways:
+  - SIGKILL (TP=1, one worker per pod): B's agent sees the exit at once;
+  - SIGSTOP (TP=2, two workers per pod): B's agent kills the silent worker after the collective
+    timeout (it cannot report anything itself);
+  either way B's agent reports its own failure (unhealthy, its pod and rank) and exits 1, and A's
+  workers see their collective fail and A reports it (naming B when the worker can tell);
+- the operator (the test) pushes epoch 2, which promotes C into B's ranks with state from A's
+  workers (DP peers with the same TP coordinates) and resumes at A's last completed step; A and C
+  train again in epoch 2, the heartbeats and /v1/state show it, consumed samples stay
+  step x global batch, and A's reconfiguration phases are in its metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,16 +41,22 @@ pytestmark = [
     ),
 ]
 
-# Small enough for 2 shared CPU cores; steps slow enough that a kill lands mid-training.
-SPEC = make_spec(
-    replicas=2,
-    spares=1,
-    global_batch=4,
-    train_iters=10_000,
-    collective_timeout=20.0,
-    heartbeat_interval=0.5,
-)
-READY_TIMEOUT = 240.0  # three workers import torch and megatron-core on 2 shared cores
+READY_TIMEOUT = 240.0  # up to six workers import torch and megatron-core on 2 shared cores
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    fault: signal.Signals
+    tp: int
+    collective_timeout: float
+
+
+CASES = [
+    Case(signal.SIGKILL, tp=1, collective_timeout=20.0),
+    # Short, so the hang is found quickly (the agent kills at 8 s + 5 s grace); long enough for
+    # a step on 2 busy cores.
+    Case(signal.SIGSTOP, tp=2, collective_timeout=8.0),
+]
 
 
 @pytest.fixture
@@ -53,10 +66,20 @@ def operator() -> Iterator[RecordingOperator]:
     recorder.close()
 
 
-def test_spare_replaces_a_killed_worker(operator: RecordingOperator, tmp_path: Path) -> None:
-    env = {"OMP_NUM_THREADS": "1"}  # three processes share two cores
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.fault.name}-tp{c.tp}")
+def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator, tmp_path: Path) -> None:
+    spec = make_spec(
+        replicas=2,
+        spares=1,
+        tp=case.tp,
+        gpus_per_pod=case.tp,
+        global_batch=4,
+        collective_timeout=case.collective_timeout,
+        heartbeat_interval=0.5,
+    )
+    env = {"OMP_NUM_THREADS": "1"}  # several processes share two cores
     a, b, c = (
-        AgentProcess(name, SPEC, tmp_path, operator_url=operator.url, worker_command=None, extra_env=env)
+        AgentProcess(name, spec, tmp_path, operator_url=operator.url, worker_command=None, extra_env=env)
         for name in ("pod-a", "pod-b", "pod-c")
     )
     with running_agents([a, b, c]):
@@ -64,7 +87,7 @@ def test_spare_replaces_a_killed_worker(operator: RecordingOperator, tmp_path: P
             agent.wait_ready(READY_TIMEOUT)
 
         # -- epoch 1: A and B train, C waits ------------------------------------------------------
-        plan1 = make_plan(SPEC, [a.pod, b.pod], epoch=1, store=a.pod)
+        plan1 = make_plan(spec, [a.pod, b.pod], epoch=1, store=a.pod)
         for agent in (a, b):
             assert agent.post_plan(plan1)[0] == 200
         for agent in (a, b):
@@ -72,31 +95,41 @@ def test_spare_replaces_a_killed_worker(operator: RecordingOperator, tmp_path: P
         operator.wait_report("pod-a", lambda r: r.epoch == 1 and (r.step or 0) >= 3, 10, "epoch-1 steps")
         assert c.state()["state"] == "spare"
 
-        # -- B's worker dies mid-training ---------------------------------------------------------
-        victim = b.worker_pid()
-        os.kill(victim, signal.SIGKILL)
-        own = operator.wait_report("pod-b", lambda r: bool(r.failed_peers), 30, "B reporting its dead worker")
-        assert (own.state, own.healthy, own.failed_peers[0].pod) == (AgentState.FAILED, False, "pod-b")
+        # -- a worker of B fails mid-training -----------------------------------------------------
+        victim = b.worker_pid(0)
+        failed_at = time.monotonic()
+        os.kill(victim, case.fault)
+        own = operator.wait_report(
+            "pod-b", lambda r: any(f.pod == "pod-b" for f in r.failed_peers), 60, "B reporting its failed worker"
+        )
+        detected = time.monotonic() - failed_at
+        assert (own.state, own.healthy) == (AgentState.FAILED, False)
+        failure = next(f for f in own.failed_peers if f.pod == "pod-b")
+        assert (failure.epoch, failure.pod, failure.rank) == (1, "pod-b", spec.tp)  # B's first rank
+        if case.fault is signal.SIGSTOP:
+            assert "hung" in failure.reason
+            assert detected >= case.collective_timeout, f"hung worker killed after {detected:.1f}s"
         wait_for(lambda: b.process.poll() is not None, 60, "B's agent to exit")
         assert b.process.returncode == 1
         peer = operator.wait_report(
             "pod-a", lambda r: any(f.epoch == 1 for f in r.failed_peers), 60, "A reporting its failed collective"
         )
-        failure = next(f for f in peer.failed_peers if f.epoch == 1)
-        # gloo does not say which peer reset the connection; when the worker knows, it must be B.
-        assert failure.rank in (None, 1) and failure.pod in (None, "pod-b")
-        assert peer.healthy and peer.state is AgentState.RECONFIGURING
+        seen = next(f for f in peer.failed_peers if f.epoch == 1)
+        # gloo does not say which peer reset the connection; when the worker knows, it must be on B.
+        assert seen.pod in (None, "pod-b")
+        assert peer.healthy
 
-        # -- epoch 2: C takes rank 1, state from A ------------------------------------------------
+        # -- epoch 2: C takes B's ranks, state from A's workers -----------------------------------
         resume = a.state()["step"]
+        b_ranks = range(spec.tp, 2 * spec.tp)
         plan2 = make_plan(
-            SPEC,
+            spec,
             [a.pod, c.pod],
             epoch=2,
             reason=PlanReason.REPLACE,
             resume_step=resume,
             store=a.pod,
-            sources={1: StateSource(rank=1, kind=StateSourceKind.PEER, peer_rank=0)},
+            sources={r: StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=r - spec.tp) for r in b_ranks},
         )
         for agent in (a, c):
             assert agent.post_plan(plan2)[0] == 200
@@ -106,12 +139,13 @@ def test_spare_replaces_a_killed_worker(operator: RecordingOperator, tmp_path: P
                 180,
                 "training again in epoch 2",
             )
-            assert state["consumedSamples"] == state["step"] * SPEC.training.global_batch_size
-        spare_report = operator.wait_report(
+            assert state["consumedSamples"] == state["step"] * spec.training.global_batch_size
+        promoted = operator.wait_report(
             "pod-c", lambda r: r.epoch == 2 and (r.step or 0) > resume, 10, "C training in epoch 2"
         )
-        assert spare_report.workers[0].rank == 1
+        assert [w.rank for w in promoted.workers] == list(b_ranks)
         metrics = a.metrics()
         assert "megatron_agent_recoveries_total 1.0" in metrics
         assert 'megatron_agent_recovery_phase_seconds_count{phase="rendezvous"}' in metrics
         assert a.state()["lastRecovery"]["epoch"] == 2
+        print(f"{case.fault.name}: B's agent reported the failure {detected:.2f}s after the fault")

@@ -28,7 +28,7 @@ from megatron_trainer.agent.plan_acceptance import (
     check_token,
     parse_plan,
 )
-from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError
+from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError, hang_timeout_for
 
 PODS = [PodAddress("p0", "127.0.0.1"), PodAddress("p1", "127.0.0.2")]
 
@@ -167,10 +167,16 @@ def make_env(**changes: str | None) -> dict[str, str]:
     return env
 
 
+def test_hang_timeout_leaves_a_grace_after_the_collective_timeout() -> None:
+    assert hang_timeout_for(make_spec(collective_timeout=8)) == 13
+    assert hang_timeout_for(make_spec(collective_timeout=60)) == 75
+
+
 def test_settings_defaults_come_from_the_spec() -> None:
     settings = AgentSettings.from_env(make_env())
     assert settings.gpus_per_pod == 2
-    assert settings.hang_timeout_seconds == 12
+    assert settings.hang_timeout_seconds == 12 + 5  # collective timeout plus a grace to abort and report
+    assert AgentSettings.from_env(make_env(**{"MEGATRON_WORKER_HANG_TIMEOUT_SECONDS": "3"})).hang_timeout_seconds == 3
     assert settings.heartbeat_interval_seconds == 0.2
     assert (settings.agent_port, settings.rendezvous_port) == (wire.AGENT_PORT, wire.RENDEZVOUS_PORT)
     assert settings.worker_command == DEFAULT_WORKER_COMMAND

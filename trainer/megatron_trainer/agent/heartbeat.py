@@ -85,7 +85,13 @@ class HeartbeatSender:
             self._failures_in_a_row += 1
             # Log the first failure and then every tenth: an operator restart should not flood the log.
             if self._failures_in_a_row % 10 == 1:
-                log.warning("heartbeat to %s failed (%d in a row): %s", self.url, self._failures_in_a_row, err)
+                log.warning(
+                    "heartbeat to %s failed (%d in a row): %s: %s",
+                    self.url,
+                    self._failures_in_a_row,
+                    type(err).__name__,
+                    err,
+                )
             return False
         if self._failures_in_a_row:
             log.info("heartbeats reach the operator again after %d failures", self._failures_in_a_row)

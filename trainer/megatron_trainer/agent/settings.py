@@ -26,6 +26,20 @@ ENV_SHUTDOWN_GRACE = "MEGATRON_SHUTDOWN_GRACE_SECONDS"
 ENV_HOST_RENDEZVOUS = "MEGATRON_HOST_RENDEZVOUS"  # "0" disables the store server (tests of one handler)
 
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "megatron_trainer.worker")
+HANG_GRACE_MIN_SECONDS = 5.0
+HANG_GRACE_FRACTION = 0.25
+
+
+def hang_timeout_for(spec: MegatronJobSpec) -> float:
+    """How long a training worker may stay silent before the agent kills it as hung.
+
+    Past the collective timeout, plus a grace: a worker whose *peer* hangs times out at the
+    collective timeout too, and then needs a moment to abort its groups and report; killing it
+    at the same instant would turn one hung worker into several dead ones (seen on 2 CPU cores:
+    the abort and report took over 0.5 s).
+    """
+    timeout = spec.failure_detection.collective_timeout_seconds
+    return timeout + max(HANG_GRACE_MIN_SECONDS, HANG_GRACE_FRACTION * timeout)
 
 
 class SettingsError(ValueError):
@@ -125,11 +139,7 @@ class AgentSettings(BaseModel):
                 host_rendezvous=env.get(ENV_HOST_RENDEZVOUS, "1").strip() != "0",
                 worker_command=command,
                 worker_max_restarts=int(number(ENV_WORKER_MAX_RESTARTS, 0, int)),
-                # A worker stuck longer than the collective timeout is hung: by then its own watchdog
-                # should have aborted the collective and reported, so silence means it cannot.
-                hang_timeout_seconds=number(
-                    ENV_WORKER_HANG_TIMEOUT, spec.failure_detection.collective_timeout_seconds, float
-                ),
+                hang_timeout_seconds=number(ENV_WORKER_HANG_TIMEOUT, hang_timeout_for(spec), float),
                 shutdown_grace_seconds=number(ENV_SHUTDOWN_GRACE, 10.0, float),
             )
         except ValidationError as err:
