@@ -173,8 +173,8 @@ class JobController:
             await self._fail_invalid(exc)
             return
         generation = self.body.get("metadata", {}).get("generation")
-        pods = self.pods_of()
         mono = time.monotonic()
+        pods = self.pods_of()
         self.expected = {n: t for n, t in self.expected.items() if t > mono and n not in {p.name for p in pods}}
         plan = self.plan
         members = [m.pod for m in plan.members] if plan is not None else []
@@ -187,6 +187,7 @@ class JobController:
             all_succeeded=self.book.succeeded(self.job.uid, members),
         )
         a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected)
+        assessed = time.monotonic()
         now = _now()
         for failure in a.failures:
             self.failed[failure.pod] = failure
@@ -228,8 +229,9 @@ class JobController:
                     events.append(("Normal", Reason.SPARE_PROMOTED, f"spare {name} joins the mesh"))
             self._post(events)
             events = []
-            log.info("%s/%s: plan epoch %d stored (%s)", self.job.namespace, self.job.name, new_plan.epoch,
-                     decision.message)
+            log.info("%s/%s: plan epoch %d stored (%s); assess %.1f ms, status write %.1f ms",
+                     self.job.namespace, self.job.name, new_plan.epoch, decision.message[:300],
+                     (assessed - mono) * 1000, (time.monotonic() - assessed) * 1000)
             self._crash_point("plan-stored")
         elif decision is not None and decision.outcome is Outcome.WAIT and plan is not None:
             if not self.waiting:
@@ -297,6 +299,8 @@ class JobController:
         start = time.monotonic()
         outcomes: list[PushOutcome] = await self.pusher.push(plan, self.token, due)
         metrics.PUSH_SECONDS.labels(**self._labels).observe(time.monotonic() - start)
+        log.info("%s/%s: pushed epoch %d to %d members in %.1f ms", self.job.namespace, self.job.name, plan.epoch,
+                 len(outcomes), (time.monotonic() - start) * 1000)
         failed = []
         for o in outcomes:
             if o.result.delivered:
@@ -393,7 +397,7 @@ class JobController:
         new = compute_status(self.status, obs, now)
         if not force and not status_changed(self.status, new):
             return
-        await kube.replace_status(self.job.namespace, self.job.name, status_body(new))
+        await kube.write_status(self.job.namespace, self.job.name, status_body(new))
         self.status = new
         self._export(new, spec)
 
@@ -428,7 +432,7 @@ class JobController:
             obs = Observation(phase=JobPhase.FAILED, reason=Reason.INVALID_SPEC, message=message, plan=None,
                               replicas=0, ready_workers=0, spares_ready=0, spares_wanted=0, recoveries=0)
             new = compute_status(self.status, obs, _now())
-            await kube.replace_status(self.job.namespace, self.job.name, status_body(new))
+            await kube.write_status(self.job.namespace, self.job.name, status_body(new))
             self.status = new
             self._post([("Warning", Reason.INVALID_SPEC, message)])
         self.done = True

@@ -22,6 +22,7 @@ The operator's log and the namespace's objects are printed when a test fails.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,7 @@ def test_below_min_replicas_waits_degraded(h: Harness) -> None:
 
 def test_agents_stale_epoch_silence_and_peer_accusation(h: Harness) -> None:
     status = _start(h, replicas=2, spares=2, min_replicas=1,
-                    failure_detection={"heartbeatIntervalSeconds": 0.2, "heartbeatTimeoutSeconds": 1.5})
+                    failure_detection={"heartbeatIntervalSeconds": 0.2, "heartbeatTimeoutSeconds": 5})
     op = h.operators[0]
     uid = h.api.job(JOB)["metadata"]["uid"]
     token = h.token()
@@ -189,17 +190,30 @@ def test_agents_stale_epoch_silence_and_peer_accusation(h: Harness) -> None:
     code, body = h.agents.report(op.url, token, uid, a, 0)
     assert code == 200 and body["epoch"] == 1
     wait_for(lambda: len(h.agents.plans_for(a, status=None)) > pushes, T, "plan pushed again")
-    # A survivor accuses its peer: the peer is replaced.
-    code, _ = h.agents.report(op.url, token, uid, a, 1,
-                              failed_peers=[{"epoch": 1, "pod": b, "reason": "allreduce timed out"}])
-    assert code == 200
-    status = h.wait_running(2)
-    assert b not in h.members(status) and status["lastFailure"]["reason"] == "PeerReportedFailure"
-    # An agent that falls silent is replaced once its deadline passes.
-    silent = h.members(status)[1]
-    h.agents.report(op.url, token, uid, silent, 2)
-    status = h.wait_running(3)
-    assert silent not in h.members(status) and status["lastFailure"]["reason"] == "HeartbeatMissing"
+    stop = threading.Event()
+
+    def keep_alive() -> None:  # a's agent keeps reporting; nobody else does unless told
+        while not stop.wait(0.2):
+            h.agents.report(op.url, token, uid, a, h.agents.held.get(a, 0))
+
+    keeper = threading.Thread(target=keep_alive, daemon=True)
+    keeper.start()
+    try:
+        # A survivor accuses its peer: the peer is replaced.
+        code, _ = h.agents.report(op.url, token, uid, a, 1,
+                                  failed_peers=[{"epoch": 1, "pod": b, "reason": "allreduce timed out"}])
+        assert code == 200
+        status = h.wait_running(2)
+        assert b not in h.members(status) and status["lastFailure"]["reason"] == "PeerReportedFailure"
+        # An agent that falls silent is replaced once its deadline passes.
+        silent = next(p for p in h.members(status) if p != a)
+        h.agents.report(op.url, token, uid, silent, 2)
+        status = h.wait_running(3)
+        assert silent not in h.members(status) and a in h.members(status)
+        assert status["lastFailure"] == {**status["lastFailure"], "pod": silent, "reason": "HeartbeatMissing"}
+    finally:
+        stop.set()
+        keeper.join(5)
 
 
 def test_max_recoveries_fails_the_job_and_releases_pods(h: Harness) -> None:

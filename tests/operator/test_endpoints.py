@@ -1,11 +1,12 @@
 """The operator's HTTP sides, over real loopback sockets: plan pushes and the report endpoint;
-and the conflict retry of status writes (with the API call faked: a fast unit test of one function).
+and the conflict retry of the pod-serial reservation (API call faked: a fast unit test of one function).
 
 Scenarios: a plan goes to every member at once with the bearer token, serialized as the contract's
 wire form; 2xx and 409 count as delivered, 401/403, 5xx and a closed port do not; the report
 endpoint refuses a missing token (401), a wrong one (403), an unknown job (404) and a bad body
-(400), accepts one report or a batch and answers with the epoch in force; a status write that
-conflicts is retried with a fresh read and gives up with a clear error after repeated conflicts.
+(400), accepts one report or a batch and answers with the epoch in force; a serial reservation
+that conflicts is retried with a fresh read, never goes below the floor, and gives up with a
+clear error after repeated conflicts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron_contract import wire
 from megatron_contract.agent import AgentReport
 from megatron_contract.mesh import MeshPlan
 from megatron_operator import kube
+from megatron_operator.builders import ANNOTATION_NEXT_SERIAL
 from megatron_operator.planner import PodRef, plan_mesh
 from megatron_operator.push import PlanPusher, PushResult
 from megatron_operator.reports import build_app
@@ -119,32 +121,38 @@ def test_report_endpoint_authenticates_and_answers_the_epoch() -> None:
     asyncio.run(run())
 
 
-def test_status_write_retries_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
+def test_serial_reservation_retries_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[str] = []
+    written: list[dict[str, Any]] = []
 
     async def fake_get(namespace: str, name: str) -> dict[str, Any]:
-        calls.append("get")
-        return {"metadata": {"name": name, "resourceVersion": str(len(calls))}}
+        reads.append(name)
+        return {"metadata": {"name": name, "resourceVersion": str(len(reads)),
+                             "annotations": {ANNOTATION_NEXT_SERIAL: "10"}}}
 
     conflicts = iter([True, True, False])
 
     async def fake_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append("put")
+        written.append(args[-1])
         if next(conflicts):
             raise ApiException(status=409, reason="Conflict")
         return args[-1]
 
     monkeypatch.setattr(kube, "get_job", fake_get)
     monkeypatch.setattr(kube, "_call", fake_call)
-    monkeypatch.setattr(kube, "_custom", lambda: type("C", (), {"replace_namespaced_custom_object_status": None})())
-    stored = asyncio.run(kube.replace_status("ns", "job", {"phase": "Running"}))
-    assert stored["status"] == {"phase": "Running"}
-    assert calls == ["get", "put", "get", "put", "get", "put"]
+    monkeypatch.setattr(kube, "_custom", lambda: type("C", (), {"patch_namespaced_custom_object": None})())
+    assert asyncio.run(kube.reserve_serials("ns", "job", 3, floor=4)) == 10
+    assert len(reads) == 3
+    # Each attempt carries the resourceVersion it read, so a stale one is refused, not applied.
+    assert [w["metadata"]["resourceVersion"] for w in written] == ["1", "2", "3"]
+    assert written[-1]["metadata"]["annotations"] == {ANNOTATION_NEXT_SERIAL: "13"}
+    # A floor above the annotation wins: a lost reservation never re-uses a name.
+    conflicts = iter([False])
+    assert asyncio.run(kube.reserve_serials("ns", "job", 1, floor=20)) == 20
 
     async def always_conflict(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise ApiException(status=409, reason="Conflict")
 
     monkeypatch.setattr(kube, "_call", always_conflict)
     with pytest.raises(kube.KubeError, match="still conflicting"):
-        asyncio.run(kube.replace_status("ns", "job", {}))
-
+        asyncio.run(kube.reserve_serials("ns", "job", 1, floor=0))
