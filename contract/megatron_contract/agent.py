@@ -49,7 +49,9 @@ class AgentReport(WireModel):
     epoch: int = Field(ge=0, description="Epoch of the plan the agent holds (0: none yet).")
     state: AgentState
     healthy: bool = True
-    step: int | None = Field(default=None, ge=0, description="Last completed step.")
+    step: int | None = Field(
+        default=None, ge=0, description="Steps completed so far, i.e. the index of the next step to run."
+    )
     consumed_samples: int | None = Field(default=None, ge=0)
     loss: float | None = None
     step_time_seconds: float | None = Field(default=None, ge=0)

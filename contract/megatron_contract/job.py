@@ -303,7 +303,7 @@ class MegatronJobStatus(WireModel):
         default=None, ge=0, description="Failure detected to plan pushed, for the last recovery."
     )
     last_failure: FailureRecord | None = None
-    step: int | None = Field(default=None, ge=0, description="Last completed step reported by the trainers.")
+    step: int | None = Field(default=None, ge=0, description="Steps completed, as reported by the trainers.")
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

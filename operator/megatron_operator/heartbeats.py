@@ -70,7 +70,7 @@ class HeartbeatBook:
         return [a for a in self._accusations.get(job_uid, []) if a.epoch == epoch]
 
     def completed_step(self, job_uid: str, pods: Iterable[str]) -> int | None:
-        """The last step every reporting pod among ``pods`` completed (None when none reported one)."""
+        """How many steps every reporting pod among ``pods`` completed (None when none reported)."""
         seen = self._last.get(job_uid, {})
         steps = [seen[p].report.step for p in pods if p in seen and seen[p].report.step is not None]
         return min(s for s in steps if s is not None) if steps else None

@@ -26,7 +26,7 @@ class AgentSignals:
     silent: Sequence[str] = ()  # pods whose heartbeats stopped past the deadline
     unhealthy: Sequence[str] = ()  # pods whose own agent reports failure
     accusations: Sequence[Accusation] = ()  # failed peers reported for the current epoch
-    completed_step: int | None = None  # last step every reporting member completed
+    completed_step: int | None = None  # steps every reporting member completed (a count)
     all_succeeded: bool = False  # every member's agent reports that training finished
 
 
@@ -167,7 +167,10 @@ def assess(
         member_set = set(members)
         active = [ref[n] for n in members if n in ref]
         spares = [ref[p.name] for p in ready if p.name not in member_set]
-        resume = signals.completed_step + 1 if signals.completed_step is not None else None
+        # Reported steps are counts of completed steps, i.e. the index of the next step: the
+        # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
+        # trainers agree on their actual step at rendezvous (worker/verify.py).
+        resume = signals.completed_step
         decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
                              checkpoint_step=checkpoint_step)
         # Growing back is not a recovery; replacing, shrinking and waiting for capacity are.
