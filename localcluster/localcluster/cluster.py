@@ -248,7 +248,9 @@ class LocalCluster:
                 f"--root-ca-file={c.ca_crt}",
                 "--use-service-account-credentials=false",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--controllers=*,-nodeipam",
+                # Pod IPs are on loopback (127.x), which Endpoints and EndpointSlices refuse; nothing
+                # here resolves Services anyway, so their controllers would only log errors.
+                "--controllers=*,-nodeipam,-endpoint,-endpointslice,-endpointslicemirroring",
                 "--v=1",
             ],
         )

@@ -1,18 +1,14 @@
-"""Support for end-to-end runs: the operator as a real subprocess, job builders, waiting, dumps."""
+"""Support for end-to-end runs: job builders, waiting with a deadline, dumps on failure."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localcluster.cluster import LocalCluster, free_port
+from localcluster.cluster import LocalCluster
 from localcluster.nodeagent import LOCAL_NODE_LABEL
 
 JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
@@ -43,39 +39,6 @@ def make_elastic_job(
     }
     body.update(spec)
     return {"apiVersion": "megatron.dev/v1alpha1", "kind": "MegatronJob", "metadata": {"name": name}, "spec": body}
-
-
-@contextmanager
-def running_operator(cluster: LocalCluster, namespace: str, log: Path) -> Iterator[str]:
-    """Run ``python -m megatron_operator`` for ``namespace``; yields the URL agents report to."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(cluster.kubeconfig),
-        "MEGATRON_OPERATOR_NAMESPACES": namespace,
-        "MEGATRON_OPERATOR_URL": url,
-        "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
-        "MEGATRON_OPERATOR_REPORT_PORT": str(port),
-        "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
-    }
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_operator"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def job_status(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:

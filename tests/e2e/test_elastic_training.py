@@ -10,10 +10,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from e2e_support import dump, job_status, make_elastic_job, running_operator, wait_for
+from e2e_support import dump, job_status, make_elastic_job, wait_for
 
 from localcluster.cluster import LocalCluster
 from localcluster.nodeagent import NodeAgent
+from localcluster.operator_run import running_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

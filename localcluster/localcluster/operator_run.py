@@ -1,0 +1,50 @@
+"""Run the real operator (``python -m megatron_operator``) as a subprocess against a local cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from localcluster.cluster import LocalCluster, free_port
+
+
+@contextmanager
+def running_operator(cluster: LocalCluster, namespaces: str, log: Path) -> Iterator[str]:
+    """Run the operator for ``namespaces`` (comma-separated; all when empty), its output in ``log``.
+
+    Yields the URL that trainer agents report to (a free port on loopback). Leader election is
+    off: there is one replica.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "MEGATRON_OPERATOR_NAMESPACES": namespaces,
+        "MEGATRON_OPERATOR_URL": url,
+        "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
+        "MEGATRON_OPERATOR_REPORT_PORT": str(port),
+        "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
+    }
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_operator"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
