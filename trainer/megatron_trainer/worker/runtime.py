@@ -98,12 +98,13 @@ class Worker:
                 log.error("channel to the agent is closed; exiting")
                 os._exit(0)
 
-    def _move(self, target: WorkerState, detail: str = "") -> None:
+    def _move(self, target: WorkerState, detail: str = "", epoch: int | None = None) -> None:
         self.state = check_transition(self.state, target)
+        epoch = self.epoch if epoch is None else epoch
         wire_state = {WorkerState.WAITING: "reconfiguring"}.get(target, target.value)
         if wire_state in ("spare", "training", "reconfiguring", "succeeded", "failed"):
-            self.send(WorkerStatus(state=wire_state, epoch=self.epoch, detail=detail))  # type: ignore[arg-type]
-        log.info("state %s (epoch %d) %s", target.value, self.epoch, detail)
+            self.send(WorkerStatus(state=wire_state, epoch=epoch, detail=detail))  # type: ignore[arg-type]
+        log.info("state %s (epoch %d) %s", target.value, epoch, detail)
 
     # -- channel reader thread -----------------------------------------------------------------
 
@@ -227,7 +228,7 @@ class Worker:
         if member is None:
             self._teardown()
             self.epoch = 0
-            self._move(WorkerState.SPARE, f"not a member of epoch {plan.epoch}")
+            self._move(WorkerState.SPARE, f"not a member of epoch {plan.epoch}", epoch=plan.epoch)
             return
         if self.local_rank >= len(member.ranks):
             raise ValueError(
@@ -235,7 +236,7 @@ class Worker:
                 f" this worker is local rank {self.local_rank}"
             )
         begin = time.perf_counter()
-        self._move(WorkerState.RECONFIGURING, f"entering epoch {plan.epoch}")
+        self._move(WorkerState.RECONFIGURING, f"entering epoch {plan.epoch}", epoch=plan.epoch)
         self._teardown()
         phases = self._phases
         self._phases = {}
@@ -367,7 +368,7 @@ class Worker:
         if by_plan:
             return
         self.send(CollectiveFailed(epoch=plan.epoch, reason=failure[:1000]))
-        self._move(WorkerState.WAITING, failure[:200])
+        self._move(WorkerState.WAITING, failure[:200], epoch=plan.epoch)
 
     def _logs_samples(
         self,

@@ -1,0 +1,201 @@
+"""Real worker processes (torch.distributed on gloo, Megatron-Core GPT, TP=2) recovering in place.
+
+The test process plays agent and operator (see ``worker_harness``). Scenarios:
+
+- a failure-free run of 2 pods x 2 workers (DP=2, TP=2) gives the reference loss of every step;
+- SIGKILL of one worker mid-step with a spare pod present: the survivors' collectives fail, they
+  report it, the spare takes the failed pod's ranks and receives state from its DP peers, and the
+  loss of every step equals the failure-free run bit for bit;
+- SIGSTOP of one worker (a hang) with a spare: the survivors detect it by the collective timeout
+  and report it, the harness (as supervisor) kills the stopped pod, recovery as above, same loss;
+- SIGKILL with no spare: the data-parallel degree shrinks to 1 with the global batch unchanged,
+  then a returning pod grows it back to 2; every sample of every step is consumed exactly once.
+
+Each worker is a full process that is never restarted: survivors reconfigure in place.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from worker_harness import WorkerCluster, make_spec, peer_sources, wait_for
+
+from megatron_contract.mesh import PlanReason
+from megatron_trainer.channel import CollectiveFailed, PhaseTimes, WorkerStatus
+from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TRAIN_ITERS = 8
+FAULT_STEP = 3  # the step in progress when the fault fires (steps 0..2 are complete)
+FAULT_RANK = 1  # tp rank 1 of replica 0, in pod "a"
+
+
+def fault_env(tmp_path: Path, fault: Fault) -> dict[str, str]:
+    return {
+        ENV_FAULTS: FaultPlan().fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=fault).to_env(),
+        ENV_FAULT_LOG: str(tmp_path / "faults.jsonl"),
+    }
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[list[WorkerCluster]]:
+    """Clusters made by a test, shut down (and their logs shown on failure) afterwards."""
+    made: list[WorkerCluster] = []
+    yield made
+    for cluster in made:
+        print(cluster.logs())
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Loss of every step of a failure-free run with the same seed and mesh."""
+    cluster = WorkerCluster(make_spec(train_iters=TRAIN_ITERS), tmp_path_factory.mktemp("reference"))
+    try:
+        cluster.start_pod("a")
+        cluster.start_pod("b")
+        cluster.wait_ready(["a", "b"])
+        cluster.assign(cluster.plan(["a", "b"]))
+        cluster.wait_succeeded(["a", "b"])
+        losses = cluster.losses(["a", "b"])
+    except BaseException:
+        print(cluster.logs())
+        raise
+    finally:
+        cluster.close()
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
+    return losses
+
+
+def replace_with_spare(cluster: WorkerCluster, failed_pod: str, spare: str, survivor: str) -> int:
+    """Operator's part after a pod failed: plan the spare into its ranks, state from DP peers."""
+    resume = max(w.last_step() for w in cluster.workers([survivor]))
+    spec = cluster.spec
+    receivers = range(spec.gpus_per_pod)  # the failed pod held ranks 0..gpusPerPod-1
+    donors = range(spec.gpus_per_pod, 2 * spec.gpus_per_pod)
+    plan = cluster.plan(
+        [spare, survivor], resume_step=resume, reason=PlanReason.REPLACE, sources=peer_sources(spec, receivers, donors)
+    )
+    cluster.assign(plan, [spare, survivor])
+    return resume
+
+
+def start_with_spare(cluster: WorkerCluster) -> None:
+    for pod in ("a", "b", "s"):
+        cluster.start_pod(pod)
+    cluster.wait_ready(["a", "b", "s"])
+    cluster.assign(cluster.plan(["a", "b"]))  # "s" is not a member: it stays a warm spare
+
+
+def test_sigkill_with_spare_recovers_with_identical_loss(
+    tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
+) -> None:
+    cluster = WorkerCluster(make_spec(spares=1, train_iters=TRAIN_ITERS), tmp_path, fault_env(tmp_path, Fault.SIGKILL))
+    make_cluster.append(cluster)
+    start_with_spare(cluster)
+    victim = cluster.pods["a"][FAULT_RANK]
+    assert victim.eof.wait(120), "the injected SIGKILL did not happen"
+    assert victim.process.wait(10) == -signal.SIGKILL
+    cluster.kill_pod("a")  # the pod is failed as a whole
+    cluster.wait_failed_reports(["b"], epoch=1)
+    resume = replace_with_spare(cluster, failed_pod="a", spare="s", survivor="b")
+    assert resume == FAULT_STEP, "survivors must hold exactly the steps completed before the fault"
+    cluster.wait_succeeded(["s", "b"])
+
+    losses = cluster.losses(["a", "b", "s"])
+    assert losses == reference_losses  # bit-identical, every step including the redone one
+    spare = cluster.pods["s"][0]
+    # Warm and idle through epoch 1, promoted in epoch 2 without a restart.
+    assert spare.states() == ["spare", "spare", "reconfiguring", "training", "succeeded"]
+    assert [m.epoch for m in spare.of_type(WorkerStatus)][1:] == [1, 2, 2, 2]
+    phases = [p for p in cluster.phase_times() if p.epoch == 2]
+    assert len(phases) == 4
+    for p in phases:
+        assert {"rendezvous", "rebuild", "restore", "verify", "first_step"} <= set(p.phases)
+    survivor_phases = [m for w in cluster.pods["b"] for m in w.of_type(PhaseTimes) if m.epoch == 2]
+    assert all("abort" in p.phases and "detected_at_unix" in p.phases for p in survivor_phases)
+
+
+def test_sigstop_with_spare_detected_by_collective_timeout(
+    tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
+) -> None:
+    spec = make_spec(spares=1, train_iters=TRAIN_ITERS, collective_timeout=8.0)
+    cluster = WorkerCluster(spec, tmp_path, fault_env(tmp_path, Fault.SIGSTOP))
+    make_cluster.append(cluster)
+    start_with_spare(cluster)
+    hung = cluster.pods["a"][FAULT_RANK]
+    # Everyone else notices on their own (collective timeout, then the cascade of closed groups).
+    cluster.wait_failed_reports(["b"], epoch=1)
+    partner = cluster.pods["a"][0]
+    wait_for(lambda: partner.of_type(CollectiveFailed), 60, "the hung worker's TP partner to report")
+    assert not hung.eof.is_set() and hung.process.poll() is None, "a stopped worker is alive but silent"
+    assert not hung.of_type(CollectiveFailed)
+    cluster.kill_pod("a")  # the supervisor kills the hung worker (SIGKILL ends a stopped process)
+    assert hung.process.returncode == -signal.SIGKILL
+    resume = replace_with_spare(cluster, failed_pod="a", spare="s", survivor="b")
+    assert resume == FAULT_STEP
+    cluster.wait_succeeded(["s", "b"])
+    assert cluster.losses(["a", "b", "s"]) == reference_losses
+    reasons = [m.reason for w in cluster.pods["b"] for m in w.of_type(CollectiveFailed)]
+    assert reasons and all(r for r in reasons)
+
+
+def test_shrink_without_spare_then_grow_counts_every_sample_once(
+    tmp_path: Path, make_cluster: list[WorkerCluster]
+) -> None:
+    iters = 12
+    spec = make_spec(spares=0, replicas=2, min_replicas=1, train_iters=iters)
+    cluster = WorkerCluster(spec, tmp_path, fault_env(tmp_path, Fault.SIGKILL))
+    make_cluster.append(cluster)
+    # Pod "c" is the capacity that returns later. It boots now only because a CPU worker warms up
+    # in ~20 s, longer than this whole tiny job; no plan names it until the growth below.
+    for pod in ("a", "b", "c"):
+        cluster.start_pod(pod)
+    cluster.wait_ready(["a", "b", "c"])
+    cluster.assign(cluster.plan(["a", "b"]), ["a", "b"])
+    victim = cluster.pods["a"][FAULT_RANK]
+    assert victim.eof.wait(120), "the injected SIGKILL did not happen"
+    cluster.kill_pod("a")
+    cluster.wait_failed_reports(["b"], epoch=1)
+
+    # Shrink: replica 1 (pod b) carries on alone with the whole global batch.
+    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    assert resume == FAULT_STEP
+    shrink = cluster.plan(["b"], resume_step=resume, reason=PlanReason.SHRINK)
+    assert shrink.sizes.dp == 1 and shrink.batch.micro_batches_per_replica == [8]
+    cluster.assign(shrink, ["b"])
+    cluster.wait_steps(["b"], FAULT_STEP + 2)
+
+    # Grow: the returned pod joins at a step boundary b has not reached yet.
+    boundary = max(w.last_step() for w in cluster.workers(["b"])) + 2
+    assert boundary < iters
+    grow = cluster.plan(
+        ["b", "c"], resume_step=boundary, reason=PlanReason.GROW, sources=peer_sources(spec, [2, 3], [0, 1])
+    )
+    cluster.assign(grow, ["b", "c"])
+    cluster.wait_succeeded(["b", "c"])
+
+    records = cluster.sample_records()
+    by_step: dict[int, list[int]] = {}
+    epochs_of_step: dict[int, set[int]] = {}
+    for r in records:
+        by_step.setdefault(r["step"], []).extend(r["samples"])
+        epochs_of_step.setdefault(r["step"], set()).add(r["epoch"])
+    assert sorted(by_step) == list(range(iters)), "every step committed exactly once"
+    G = spec.training.global_batch_size
+    for step, samples in by_step.items():
+        assert sorted(samples) == list(range(step * G, (step + 1) * G)), f"step {step} consumed {sorted(samples)}"
+    all_samples = [i for s in by_step.values() for i in s]
+    assert len(all_samples) == len(set(all_samples)) == iters * G
+    assert all(len(e) == 1 for e in epochs_of_step.values()), "no step is committed in two epochs"
+    assert epochs_of_step[FAULT_STEP] == {2} and epochs_of_step[boundary - 1] == {2}
+    assert epochs_of_step[boundary] == {3}
+    # The shrunk replica took all 8 micro-batches per step; after growth each takes 4.
+    assert {len(r["samples"]) for r in records if r["epoch"] == 2} == {G}
+    assert {len(r["samples"]) for r in records if r["epoch"] == 3} == {G // 2}
+    losses = cluster.losses(["b", "c"])
+    assert sorted(losses) == list(range(1, iters + 1))
