@@ -1,0 +1,120 @@
+"""Unit tests of the worker's pure parts (no torch.distributed, no processes).
+
+Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips
+through the environment, rejects malformed values and fires only at its (epoch, rank, step);
+mock samples are deterministic and the batch geometry hands every sample of a step to exactly one
+replica whatever the data-parallel size; settings name the missing variable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_contract import wire
+from megatron_contract.mesh import BatchGeometry
+from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
+from megatron_trainer.worker.data import MockTokens, micro_batches, replica_samples
+from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
+from megatron_trainer.worker.settings import WorkerSettings
+
+
+def test_lifecycle_allows_the_recovery_path() -> None:
+    path = [
+        WorkerState.STARTING,
+        WorkerState.SPARE,
+        WorkerState.RECONFIGURING,
+        WorkerState.TRAINING,
+        WorkerState.WAITING,
+        WorkerState.RECONFIGURING,
+        WorkerState.TRAINING,
+        WorkerState.RECONFIGURING,
+        WorkerState.SPARE,
+    ]
+    state = path[0]
+    for target in path[1:]:
+        state = check_transition(state, target)
+    assert state is WorkerState.SPARE
+
+
+@pytest.mark.parametrize(
+    ("current", "target"),
+    [
+        (WorkerState.STARTING, WorkerState.TRAINING),  # never trains without joining an epoch
+        (WorkerState.SPARE, WorkerState.TRAINING),
+        (WorkerState.WAITING, WorkerState.TRAINING),  # a failed epoch is never resumed as is
+        (WorkerState.FAILED, WorkerState.SPARE),
+    ],
+)
+def test_lifecycle_refuses_shortcuts(current: WorkerState, target: WorkerState) -> None:
+    with pytest.raises(IllegalTransition, match=f"from {current.value} to {target.value}"):
+        check_transition(current, target)
+
+
+def test_fault_plan_chains_and_round_trips_through_env() -> None:
+    plan = FaultPlan().fail_at(rank=1, step=3).fail_at(rank=0, step=5, fault=Fault.SIGSTOP, epoch=2)
+    back = FaultPlan.from_env({ENV_FAULTS: plan.to_env()})
+    assert back.specs == plan.specs
+    assert back.due(epoch=1, rank=1, step=3) is not None
+    assert back.due(epoch=2, rank=1, step=3) is None  # the rank's successor in a later epoch is spared
+    assert back.due(epoch=2, rank=0, step=5).fault is Fault.SIGSTOP  # type: ignore[union-attr]
+    assert FaultPlan.from_env({}).specs == []
+
+
+def test_fault_plan_rejects_malformed_env() -> None:
+    with pytest.raises(ValueError, match=ENV_FAULTS):
+        FaultPlan.from_env({ENV_FAULTS: '[{"fault": "meteor", "rank": 0, "step": 1}]'})
+
+
+def test_exception_fault_raises_only_when_due() -> None:
+    plan = FaultPlan().fail_at(rank=2, step=4, fault=Fault.EXCEPTION)
+    plan.maybe_fire(epoch=1, rank=2, step=3)
+    with pytest.raises(InjectedFault, match="rank 2 step 4"):
+        plan.maybe_fire(epoch=1, rank=2, step=4)
+
+
+def test_mock_samples_are_deterministic_and_distinct() -> None:
+    a, b = MockTokens(seed=7, vocab_size=100, seq_length=16), MockTokens(seed=7, vocab_size=100, seq_length=16)
+    assert torch.equal(a.sample(5), b.sample(5))
+    assert not torch.equal(a.sample(5), a.sample(6))
+    assert a.sample(0).shape == (17,) and int(a.sample(0).max()) < 100
+    with pytest.raises(ValueError, match="negative"):
+        a.sample(-1)
+
+
+@given(
+    micro=st.integers(min_value=1, max_value=4),
+    n_micro=st.integers(min_value=1, max_value=24),
+    dp=st.integers(min_value=1, max_value=8),
+    step=st.integers(min_value=0, max_value=1000),
+)
+def test_every_sample_of_a_step_goes_to_exactly_one_replica(micro: int, n_micro: int, dp: int, step: int) -> None:
+    if n_micro < dp:
+        return  # the contract refuses such a split; covered by the contract's own tests
+    batch = BatchGeometry.split(micro * n_micro, micro, dp)
+    taken = [i for d in range(dp) for i in replica_samples(batch, d, step)]
+    g = batch.global_batch_size
+    assert sorted(taken) == list(range(step * g, (step + 1) * g))
+    assert len(taken) == len(set(taken))
+
+
+def test_micro_batches_shift_labels_by_one() -> None:
+    source = MockTokens(seed=1, vocab_size=50, seq_length=8)
+    batch = BatchGeometry.split(4, 2, 1)
+    mbs = list(micro_batches(source, batch, dp_rank=0, step=1, device=torch.device("cpu")))
+    assert [mb.indices for mb in mbs] == [(4, 5), (6, 7)]
+    assert mbs[0].tokens.shape == (2, 8)
+    assert torch.equal(mbs[0].tokens[0, 1:], mbs[0].labels[0, :-1])
+    with pytest.raises(ValueError, match="dp rank 1"):
+        replica_samples(batch, 1, 0)
+
+
+def test_settings_name_what_is_missing() -> None:
+    with pytest.raises(ValueError, match=wire.ENV_JOB_SPEC):
+        WorkerSettings.from_env({})
+    with pytest.raises(ValueError, match="not a valid MegatronJobSpec"):
+        WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"replicas": -1}', wire.ENV_POD_NAME: "p"})
+    with pytest.raises(ValueError, match=wire.ENV_POD_NAME):
+        WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"image": "x", "replicas": 1}'})
