@@ -268,4 +268,6 @@ def phase_of(plan: MeshPlan | None, acknowledged: bool, waiting: bool, has_pods:
         return JobPhase.RUNNING, Reason.PLAN_ACKNOWLEDGED
     if plan.reason is PlanReason.INITIAL:
         return JobPhase.STARTING, Reason.PUSHING_PLAN
+    if plan.reason is PlanReason.GROW:
+        return JobPhase.RECOVERING, Reason.GROWING
     return JobPhase.RECOVERING, Reason.RECOVERING

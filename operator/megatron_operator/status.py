@@ -29,6 +29,7 @@ class Reason:
     PUSHING_PLAN = "PushingPlan"
     PLAN_ACKNOWLEDGED = "PlanAcknowledged"
     RECOVERING = "ReplacingFailedPods"
+    GROWING = "GrowingMesh"
     BELOW_MIN_REPLICAS = "BelowMinReplicas"
     MESH_SHRUNK = "MeshShrunk"
     FULL_MESH = "FullMesh"

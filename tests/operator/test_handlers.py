@@ -1,0 +1,85 @@
+"""The kopf-facing layer (``megatron_operator.handlers``) and a job controller's report intake,
+with no API server: a fast test of each handler function.
+
+Scenarios: the pod index keys pods by (namespace, job) and keeps their facts; the node index keeps
+Ready; the registry routes reports to the job's controller by UID and knows its token; a report
+with an older epoch schedules an immediate re-push and wakes the controller; a report holding the
+epoch counts as acknowledgement; a report naming a failed peer or an unhealthy agent wakes it;
+pod events wake only their job's controller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from operator_factories import JOB_UID, make_job, make_node, make_pod, make_pod_refs, make_spec
+
+from megatron_contract import wire
+from megatron_contract.agent import AgentReport
+from megatron_operator import handlers
+from megatron_operator.builders import JobRef
+from megatron_operator.controller import JobController
+from megatron_operator.planner import plan_mesh
+from megatron_operator.settings import OperatorSettings
+
+
+def _registry_with_job() -> tuple[handlers.Registry, JobController]:
+    registry = handlers.Registry(OperatorSettings(leader_election=False))
+    plan = plan_mesh(make_spec(replicas=2), JOB_UID, make_pod_refs(2), [], [], None).plan
+    assert plan is not None
+    body: dict[str, Any] = make_job(status={"phase": "Running", "epoch": 1, "plan": plan.to_wire()})
+    job = JobRef.of(body)
+    ctl = JobController(job, body, registry.settings, registry.book, registry.pusher, pods_of=list, nodes=dict)
+    ctl.token = "tok"
+    ctl.acked_epoch = 1
+    registry.by_uid[job.uid] = ctl
+    registry.by_key[(job.namespace, job.name)] = ctl
+    return registry, ctl
+
+
+def _report(pod: str, epoch: int, **kw: Any) -> AgentReport:
+    return AgentReport.model_validate({"jobUid": JOB_UID, "pod": pod, "epoch": epoch, "state": "training", **kw})
+
+
+def test_indexes() -> None:
+    pod = make_pod("job-3", index=3)
+    key_value = handlers.pods_by_job(namespace="ns", labels=pod["metadata"]["labels"], body=pod)  # type: ignore[arg-type]
+    ((key, facts),) = key_value.items()
+    assert key == ("ns", "job") and facts.name == "job-3" and facts.serial == 3
+    assert handlers.node_readiness(name="gpu-1", body=make_node("gpu-1", "False")) == {"gpu-1": "False"}  # type: ignore[arg-type]
+
+
+def test_reports_route_to_the_controller() -> None:
+    registry, ctl = _registry_with_job()
+    assert registry.token_for(JOB_UID) == "tok" and registry.token_for("other") is None
+    assert registry.accept_reports(JOB_UID, [_report("p0", 1)]) == 1
+    assert ctl.acked == {"p0"} and ctl.wake.is_set()
+    assert registry.book.last(JOB_UID, "p0") is not None
+
+
+def test_older_epoch_schedules_a_push_now() -> None:
+    registry, ctl = _registry_with_job()
+    ctl.acked = {"p0", "p1"}
+    registry.accept_reports(JOB_UID, [_report("p1", 0)])
+    assert ctl.acked == {"p0"} and ctl.push_due["p1"] == 0.0 and ctl.wake.is_set()
+
+
+def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
+    for report in (_report("p0", 1, failedPeers=[{"epoch": 1, "rank": 1, "reason": "x"}]),
+                   _report("spare-9", 0, healthy=False)):
+        registry, ctl = _registry_with_job()
+        ctl.acked = {"p0", "p1"}
+        registry.accept_reports(JOB_UID, [report])
+        assert ctl.wake.is_set()
+
+
+def test_pod_events_wake_only_their_job() -> None:
+    registry, ctl = _registry_with_job()
+    handlers.REGISTRY, saved = registry, handlers.REGISTRY
+    try:
+        handlers.pod_event(namespace="ns", labels={wire.LABEL_JOB: "other"}, pods_by_job={})
+        assert not ctl.wake.is_set()
+        handlers.pod_event(namespace="ns", labels={wire.LABEL_JOB: "job"}, pods_by_job={})
+        assert ctl.wake.is_set()
+    finally:
+        handlers.REGISTRY = saved
