@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from megatron_contract.agent import AgentState
 
 PREFIX = "megatron_agent"
-RECOVERY_PHASES = ("detect", "abort", "rendezvous", "restore", "first_step")
 
 # Recovery phases range from milliseconds (gloo re-init) to minutes (checkpoint load).
 _PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
