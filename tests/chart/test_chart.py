@@ -65,10 +65,57 @@ def test_env_names_are_the_operator_settings(helm: Path) -> None:
     assert names <= known, f"chart sets variables the operator does not read: {sorted(names - known)}"
 
 
-def test_service_monitor_only_when_enabled(helm: Path) -> None:
-    assert not [d for d in render(helm) if d["kind"] == "ServiceMonitor"]
-    [sm] = [d for d in render(helm, "metrics.serviceMonitor.enabled=true") if d["kind"] == "ServiceMonitor"]
+def test_monitoring_objects_only_when_enabled(helm: Path) -> None:
+    kinds = {d["kind"] for d in render(helm)}
+    assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    docs = render(
+        helm,
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.podMonitor.enabled=true",
+        "metrics.prometheusRule.enabled=true",
+    )
+    [sm] = [d for d in docs if d["kind"] == "ServiceMonitor"]
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    [pm] = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "agent"  # the trainer pods' named port
+    [rule] = [d for d in docs if d["kind"] == "PrometheusRule"]
+    alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert (
+        "MegatronJobFailed" in alerts
+        and "$labels.job" in rule["spec"]["groups"][0]["rules"][0]["annotations"]["summary"]
+    )
+
+
+def _exposed_metric_names() -> set[str]:
+    """Every series name the operator and the trainer agent export."""
+    import prometheus_client
+
+    import megatron_operator.metrics  # noqa: F401  (registers the operator's series)
+    from megatron_trainer.agent.metrics import AgentMetrics
+
+    names: set[str] = set()
+    for registry in (prometheus_client.REGISTRY, AgentMetrics().registry):
+        for family in registry.collect():  # families of labelled series exist before any sample
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+            names |= {family.name + suffix for suffix in suffixes}
+    return names
+
+
+def test_dashboard_and_alerts_use_exported_metrics(helm: Path) -> None:
+    import json
+
+    dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    docs = render(helm, "metrics.prometheusRule.enabled=true")
+    [rule] = [d for d in docs if d["kind"] == "PrometheusRule"]
+    exprs += [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    used = {m for e in exprs for m in re.findall(r"megatron_(?:operator|agent)_[a-z_]+", e)}
+    assert used, "no metric found in the dashboard"
+    missing = used - _exposed_metric_names()
+    assert not missing, f"dashboard/alerts query series nobody exports: {sorted(missing)}"
+    [cm] = [d for d in render(helm) if d["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["megatron-operator.json"])["uid"] == "megatron-operator"
 
 
 def test_every_value_is_documented() -> None:
