@@ -213,8 +213,9 @@ class WorkerCluster:
         env.update(self.extra_env)
         return env
 
-    def start_pod(self, pod: str) -> list[WorkerProcess]:
-        """Spawn one worker per local slot of a pod."""
+    def start_pod(self, pod: str, env: dict[str, str] | None = None) -> list[WorkerProcess]:
+        """Spawn one worker per local slot of a pod (``env`` adds to its environment, e.g. the
+        pod's CUDA_VISIBLE_DEVICES)."""
         workers = []
         for local_rank in range(self.spec.gpus_per_pod):
             ours, theirs = socket.socketpair()
@@ -231,7 +232,7 @@ class WorkerCluster:
                         str(local_rank),
                     ],
                     pass_fds=(theirs.fileno(),),
-                    env=self.env(pod),
+                    env={**self.env(pod), **(env or {})},
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

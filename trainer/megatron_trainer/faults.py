@@ -96,3 +96,14 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             raise InjectedFault(f"injected fault at epoch {epoch} rank {rank} step {step}")
+
+
+def inject_into(pid: int, fault: Fault) -> float:
+    """Fire a signal fault into another process (a benchmark's random-time fault); returns the
+    unix time just before the signal was sent."""
+    signals = {Fault.SIGKILL: signal.SIGKILL, Fault.SIGSTOP: signal.SIGSTOP}
+    if fault not in signals:
+        raise ValueError(f"{fault.value} cannot be sent to another process; use fail_at")
+    at = time.time()
+    os.kill(pid, signals[fault])
+    return at

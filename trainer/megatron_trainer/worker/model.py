@@ -202,10 +202,12 @@ def _assign(param: torch.Tensor, data: torch.Tensor) -> None:
 
 
 def state_checksum(ts: TrainState) -> int:
-    """An exact checksum of the state's bits (integer sums of the raw words, position-weighted)."""
-    total = 0
+    """An exact checksum of the state's bits: position-weighted integer sums of the raw words,
+    accumulated on the device (int64, wrapping) with a single host sync."""
+    total = None
     for i, t in enumerate(state_tensors(ts)):
         words = t.detach().contiguous().reshape(-1)
         words = words.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[words.element_size()])
-        total += (i + 1) * int(words.to(torch.int64).sum().item())
-    return total % (1 << 62)
+        term = words.sum(dtype=torch.int64).to(words.device) * (i + 1)
+        total = term if total is None else total + term.to(total.device)
+    return 0 if total is None else int(total.item()) & ((1 << 62) - 1)

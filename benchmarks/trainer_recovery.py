@@ -1,0 +1,201 @@
+"""GPU recovery benchmark: fault -> next completed step, with per-phase times.
+
+One pod per GPU (``CUDA_VISIBLE_DEVICES`` per pod, as Kubernetes gives each pod its own GPU):
+``--gpus - 1`` pods train a Megatron-Core GPT (TP=1, DP=gpus-1) and one pod is a warm spare. The
+script plays agent and operator, as the tests do (``tests/trainer/worker_harness.py``): at a
+random moment inside a step it SIGKILLs a training worker (``faults.inject_into``), sees the EOF,
+pushes a replace plan (spare takes the dead rank, state broadcast from a DP peer), and measures
+until every member reports the first completed step of the new epoch. It then boots a new spare
+on the freed GPU and repeats. Prints one line per fault and p50/p95 at the end, and writes JSON.
+
+    python benchmarks/trainer_recovery.py --gpus 4 --faults 6 --out result.json
+
+Model default: 20 layers, hidden 2048, 16 heads, seq 2048, vocab 50304 (~1.1 B parameters),
+bf16 with fp32 main params and Adam (Megatron's optimizer), global batch 6, micro-batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "contract"), str(REPO / "trainer"), str(REPO / "tests" / "trainer")]
+
+from worker_harness import WorkerCluster, make_spec, wait_for  # noqa: E402
+
+from megatron_contract.job import Precision  # noqa: E402
+from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind  # noqa: E402
+from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
+from megatron_trainer.faults import Fault, inject_into  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (no interpolation beyond the data)."""
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--faults", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--global-batch", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.gpus < 2:
+        parser.error("--gpus must be at least 2 (one trainer and one spare)")
+    rng = random.Random(args.seed)
+    dp = args.gpus - 1
+    spec = make_spec(
+        replicas=dp,
+        spares=1,
+        tp=1,
+        gpus_per_pod=1,
+        train_iters=1_000_000,
+        global_batch_size=args.global_batch,
+        collective_timeout=60.0,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        vocab_size=args.vocab,
+    )
+    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"precision": Precision.BF16})})
+    h, L, V, S = args.hidden, args.layers, args.vocab, args.seq
+    params = L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
+    print(f"model: {L} layers, hidden {h}, ~{params / 1e9:.2f} B parameters; DP={dp} + 1 spare", flush=True)
+
+    cluster = WorkerCluster(spec, Path(tempfile.mkdtemp(prefix="recovery-")))
+    gpu_of: dict[str, int] = {}
+    counter = 0
+
+    def boot(gpu: int) -> str:
+        nonlocal counter
+        name = f"pod{counter}"
+        counter += 1
+        gpu_of[name] = gpu
+        cluster.start_pod(name, env={"CUDA_VISIBLE_DEVICES": str(gpu)})
+        return name
+
+    results = []
+    try:
+        t0 = time.time()
+        members = [boot(g) for g in range(dp)]
+        spare = boot(dp)
+        cluster.wait_ready([*members, spare], timeout=400)
+        print(f"workers warm in {time.time() - t0:.1f}s", flush=True)
+        cluster.assign(cluster.plan(members))
+        cluster.wait_steps(members, 3, timeout=300)
+        steps = [p.step_time_seconds for p in cluster.pods[members[0]][0].of_type(Progress)][1:]
+        print(f"step time {statistics.median(steps):.3f}s", flush=True)
+
+        for n in range(args.faults):
+            victim_pod = members[rng.randrange(len(members))]
+            victim = cluster.pods[victim_pod][0]
+            # A random moment inside a step: just after a step completes, plus a random fraction.
+            seen = victim.last_step()
+            wait_for(lambda v=victim, s=seen: v.last_step() > s, 120, "a step boundary")
+            step_time = victim.of_type(Progress)[-1].step_time_seconds
+            time.sleep(rng.uniform(0.1, 0.9) * step_time)  # fault timing, not synchronization
+            fault_at = inject_into(victim.process.pid, Fault.SIGKILL)
+            assert victim.eof.wait(30)
+            eof_at = victim.eof_at or time.time()
+            survivors = [p for p in members if p != victim_pod]
+            resume = max(w.last_step() for w in cluster.workers(members))
+            new_members = [spare if p == victim_pod else p for p in members]
+            dead_rank = members.index(victim_pod)
+            sources = {
+                dead_rank: StateSource(
+                    rank=dead_rank, kind=StateSourceKind.PEER, peer_rank=(dead_rank + 1) % len(members)
+                )
+            }
+            plan = cluster.plan(new_members, resume_step=resume, reason=PlanReason.REPLACE, sources=sources)
+            plan_at = time.time()
+            cluster.assign(plan, new_members)
+            epoch = plan.epoch
+
+            def first_steps(e: int = epoch, pods: list[str] = new_members) -> list[Progress] | None:
+                got = [next((p for p in w.of_type(Progress) if p.epoch == e), None) for w in cluster.workers(pods)]
+                return None if any(g is None for g in got) else got  # type: ignore[return-value]
+
+            wait_for(first_steps, 300, f"first step of epoch {epoch}", interval=0.002)
+            done_at = time.time()
+            phases = {
+                w.pod: next(m.phases for m in w.of_type(PhaseTimes) if m.epoch == epoch)
+                for w in cluster.workers(new_members)
+            }
+            survivor_phases = [phases[p] for p in survivors]
+            row = {
+                "fault": n,
+                "epoch": epoch,
+                "victim_rank": dead_rank,
+                "fault_to_next_step_s": done_at - fault_at,
+                "fault_to_eof_s": eof_at - fault_at,
+                "fault_to_plan_s": plan_at - fault_at,
+                "detect_s": max(p.get("detected_at_unix", plan_at) for p in survivor_phases) - fault_at,
+                "abort_s": max(p.get("abort", 0.0) for p in survivor_phases),
+                "rendezvous_s": max(p["rendezvous"] for p in phases.values()),
+                "rebuild_s": max(p["rebuild"] for p in phases.values()),
+                "restore_s": max(p["restore"] for p in phases.values()),
+                "verify_s": max(p["verify"] for p in phases.values()),
+                "first_step_s": max(p["first_step"] for p in phases.values()),
+                "step_time_s": step_time,
+                "resume_step": resume,
+                "phases_by_pod": phases,
+            }
+            results.append(row)
+            print(
+                f"fault {n}: rank {dead_rank} -> next step {row['fault_to_next_step_s']:.3f}s | detect "
+                f"{row['detect_s']:.3f} abort {row['abort_s']:.3f} rendezvous {row['rendezvous_s']:.3f} "
+                f"rebuild {row['rebuild_s']:.3f} restore {row['restore_s']:.3f} verify {row['verify_s']:.3f} "
+                f"first_step {row['first_step_s']:.3f}",
+                flush=True,
+            )
+            members = new_members
+            cluster.kill_pod(victim_pod)  # reap it (already dead)
+            if n + 1 < args.faults:
+                spare = boot(gpu_of[victim_pod])
+                t = time.time()
+                wait_for(lambda s=spare: cluster.pods[s][0].of_type(Hello), 400, "the new spare")
+                print(f"new spare warm in {time.time() - t:.1f}s", flush=True)
+        # Same seed, same mesh: losses of all members agree at every step (checked by losses()).
+        cluster.losses(members)
+    finally:
+        if not results:
+            print(cluster.logs())
+        cluster.close()
+
+    totals = [r["fault_to_next_step_s"] for r in results]
+    summary = {
+        "n": len(totals),
+        "p50_s": statistics.median(totals),
+        "p95_s": percentile(totals, 95),
+        "max_s": max(totals),
+        "phases_p50": {
+            k: statistics.median(r[k] for r in results)
+            for k in ("detect_s", "abort_s", "rendezvous_s", "rebuild_s", "restore_s", "verify_s", "first_step_s")
+        },
+        "target_p95_s": 2.5,
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "faults": results, "args": vars(args)}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
