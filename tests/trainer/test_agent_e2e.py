@@ -14,7 +14,8 @@ Scenarios (marked slow; each about a minute on 2 shared CPU cores):
 - the operator (the test) pushes epoch 2, which promotes C into B's ranks with state from A's
   workers (DP peers with the same TP coordinates) and resumes at A's last completed step; A and C
   train again in epoch 2, the heartbeats and /v1/state show it, consumed samples stay
-  step x global batch, and A's reconfiguration phases are in its metrics.
+  step x global batch, and A's reconfiguration phases are in its metrics;
+- C's agent is SIGKILLed: its workers see EOF on their channels and exit (no orphans).
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ pytestmark = [
 ]
 
 READY_TIMEOUT = 240.0  # up to six workers import torch and megatron-core on 2 shared cores
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` is gone or a zombie (its parent, the agent, was killed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +141,11 @@ def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator,
             store=a.pod,
             sources={r: StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=r - spec.tp) for r in b_ranks},
         )
+        pushed_at = time.monotonic()
         for agent in (a, c):
             assert agent.post_plan(plan2)[0] == 200
+        c.wait_state(lambda s: s["epoch"] == 2 and s.get("step", 0) > resume, 180, "C's first step in epoch 2")
+        first_step = time.monotonic() - pushed_at
         for agent in (a, c):
             state = agent.wait_state(
                 lambda s: s["epoch"] == 2 and s["state"] == "training" and s.get("step", 0) >= resume + 2,
@@ -148,4 +161,20 @@ def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator,
         assert "megatron_agent_recoveries_total 1.0" in metrics
         assert 'megatron_agent_recovery_phase_seconds_count{phase="rendezvous"}' in metrics
         assert a.state()["lastRecovery"]["epoch"] == 2
-        print(f"{case.fault.name}: B's agent reported the failure {detected:.2f}s after the fault")
+        # Durations only: a timestamp among the phases would make this ~1.8e9.
+        last = next(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("megatron_agent_last_recovery_seconds ")
+        )
+        assert 0 < last < 120, f"last recovery {last}s"
+        print(
+            f"\n{case.fault.name}: B's agent reported the failure {detected:.2f}s after the fault; "
+            f"plan push -> C's first step in epoch 2 seen at {first_step:.2f}s (polling /v1/state); "
+            f"A's phases {a.state()['lastRecovery']['phases']}; C's phases {c.state()['lastRecovery']['phases']}"
+        )
+        # -- the agent dies: its workers see EOF on their channels and exit -------------------------
+        orphans = [w["pid"] for w in c.state()["workers"]]
+        c.process.kill()
+        c.process.wait(timeout=10)
+        wait_for(lambda: all(process_gone(pid) for pid in orphans), 60, "C's workers to exit after their agent")

@@ -7,6 +7,7 @@ Scenarios:
   409; a good plan parses;
 - worker lifecycle: allowed transitions pass, forbidden ones raise; the pod state derived from
   workers' phases (failure dominates, slowest worker wins, mixed is reconfiguring);
+- phase times: instants (``*_at``, ``*_unix``) and invalid values stay out of the durations;
 - settings: read from an environment mapping with defaults from the spec; each missing or
   malformed variable is named in the error.
 """
@@ -21,6 +22,7 @@ from agent_harness import JOB_UID, TOKEN, PodAddress, make_plan, make_spec
 from megatron_contract import wire
 from megatron_contract.agent import AgentState
 from megatron_trainer.agent.lifecycle import LifecycleError, WorkerPhase, check_transition, pod_state
+from megatron_trainer.agent.metrics import split_phase_times
 from megatron_trainer.agent.plan_acceptance import (
     PlanRejected,
     check_declared_size,
@@ -146,6 +148,17 @@ def test_transitions_follow_the_table() -> None:
 )
 def test_pod_state_from_worker_phases(phases: list[WorkerPhase], state: AgentState) -> None:
     assert pod_state(phases) is state
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def test_phase_times_keep_instants_out_of_the_durations() -> None:
+    durations, instants = split_phase_times(
+        {"abort": 0.9, "rendezvous": 0.05, "detected_at_unix": 1795292183.9, "bogus": -1.0, "nan": float("nan")}
+    )
+    assert durations == {"abort": 0.9, "rendezvous": 0.05}
+    assert instants == {"detected_at_unix": 1795292183.9}
 
 
 # -- settings -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from megatron_contract.agent import AgentReport, AgentState, PeerFailure, Worker
 from megatron_contract.mesh import MeshPlan, PlanReason
 from megatron_trainer.agent.heartbeat import HeartbeatSender
 from megatron_trainer.agent.lifecycle import LifecycleError, WorkerPhase, pod_state
-from megatron_trainer.agent.metrics import AgentMetrics
+from megatron_trainer.agent.metrics import AgentMetrics, split_phase_times
 from megatron_trainer.agent.plan_acceptance import PlanRejected, check_epoch, parse_plan
 from megatron_trainer.agent.rendezvous_host import RendezvousHost
 from megatron_trainer.agent.settings import AgentSettings
@@ -52,7 +52,8 @@ class LastRecovery:
     """Phases of the newest reconfiguration a local worker reported."""
 
     epoch: int
-    phases: dict[str, float]
+    phases: dict[str, float]  # durations in seconds
+    instants: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. detected_at_unix
 
 
 class Agent:
@@ -241,20 +242,21 @@ class Agent:
         return min((h.local_rank for h in self.supervisor.workers.values() if h.alive), default=0)
 
     def _on_phase_times(self, handle: WorkerHandle, message: PhaseTimes) -> None:
+        durations, instants = split_phase_times(message.phases)
         log.info(
             "worker %d reconfigured into epoch %d: %s",
             handle.local_rank,
             message.epoch,
-            ", ".join(f"{k} {v:.3f}s" for k, v in message.phases.items()),
+            ", ".join(f"{k} {v:.3f}s" for k, v in durations.items()),
         )
         # Every local worker times the same reconfiguration; count it once, by the first report.
         if message.epoch in self._recorded_phase_epochs:
             return
         self._recorded_phase_epochs.add(message.epoch)
-        self.last_recovery = LastRecovery(epoch=message.epoch, phases=dict(message.phases))
+        self.last_recovery = LastRecovery(epoch=message.epoch, phases=durations, instants=instants)
         initial = self.plan is not None and self.plan.epoch == message.epoch and self.plan.reason is PlanReason.INITIAL
         if not initial:
-            self.metrics.observe_phases(message.phases)
+            self.metrics.observe_phases(durations)
 
     def _on_collective_failed(self, handle: WorkerHandle, message: CollectiveFailed) -> None:
         self.metrics.collective_failures.inc()
@@ -416,7 +418,11 @@ class Agent:
             )
         ]
         if self.last_recovery is not None:
-            doc["lastRecovery"] = {"epoch": self.last_recovery.epoch, "phases": self.last_recovery.phases}
+            doc["lastRecovery"] = {
+                "epoch": self.last_recovery.epoch,
+                "phases": self.last_recovery.phases,
+                "instants": self.last_recovery.instants,
+            }
         doc["uptimeSeconds"] = round(time.monotonic() - self.started_at, 3)
         return doc
 

@@ -6,6 +6,8 @@ process. The pod and job labels come from the scrape target, so the series carry
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from megatron_contract.agent import AgentState
@@ -15,6 +17,23 @@ PREFIX = "megatron_agent"
 # Recovery phases range from milliseconds (gloo re-init) to minutes (checkpoint load).
 _PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+# PhaseTimes may carry instants next to durations (e.g. ``detected_at_unix``, for a benchmark that
+# knows when its fault fired); an instant is not a duration and must stay out of the histograms.
+TIMESTAMP_SUFFIXES = ("_at", "_unix")
+
+
+def split_phase_times(phases: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(durations, instants) of one PhaseTimes message; negative or non-finite durations are dropped."""
+    durations: dict[str, float] = {}
+    instants: dict[str, float] = {}
+    for name, value in phases.items():
+        if name.endswith(TIMESTAMP_SUFFIXES):
+            instants[name] = value
+        elif math.isfinite(value) and value >= 0:
+            durations[name] = value
+    return durations, instants
 
 
 class AgentMetrics:
@@ -70,7 +89,7 @@ class AgentMetrics:
             self.state.labels(state=s.value).set(1.0 if s is state else 0.0)
 
     def observe_phases(self, phases: dict[str, float]) -> None:
-        """Record one reconfiguration's phase durations."""
+        """Record one reconfiguration's phase durations (see :func:`split_phase_times`)."""
         self.recoveries.inc()
         for phase, seconds in phases.items():
             self.recovery_phase.labels(phase=phase).observe(seconds)
