@@ -2,10 +2,11 @@
 
 The order is what makes a restart safe: (1) a new plan is written to status before anything else
 happens (the commit point: a restarted operator reads it back and never plans that epoch again);
-(2) failed pods are deleted; (3) pod serials are reserved on the job, then pods are created (names
-never repeat, creates are idempotent); (4) the plan is pushed to every member that does not hold
-it yet, in parallel; (5) the status is recomputed and written once if it changed, and only then
-are the events posted.
+(2) the plan is pushed to every member that does not hold it yet, in parallel (agents refuse an
+epoch they already hold, so a second push after a restart is harmless); (3) failed pods are
+deleted, pod serials are reserved on the job and new pods created (names never repeat, creates
+are idempotent); (4) the status is recomputed and written once if it changed, and only then are
+the events posted.
 
 A job's controller runs as a kopf daemon: it wakes on every event of the job's pods, on node
 changes, on agent reports that matter, and at least every few seconds to check heartbeats.
@@ -209,11 +210,12 @@ class JobController:
             last_failure = FailureRecord(pod=f.pod, reason=f.reason.value, message=f.message, time=now)
         decision = a.decision
         recoveries = self.status.recoveries
+        fresh = False  # a plan made in this pass
         if decision is not None and decision.outcome is Outcome.NEW_PLAN and decision.plan is not None:
             new_plan = decision.plan.model_copy(update={"created_at": now})
             if new_plan.reason is not PlanReason.INITIAL:
                 recoveries += 1
-            plan = new_plan
+            plan, fresh = new_plan, True
             self.waiting = False
             self.acked, self.acked_epoch = set(), new_plan.epoch
             self.push_due = {m.pod: 0.0 for m in new_plan.members}
@@ -238,14 +240,8 @@ class JobController:
                 events.append(("Warning", Reason.BELOW_MIN_REPLICAS, decision.message))
             self.waiting = True
 
-        # (2) failed pods go; (3) new pods come.
-        await self._delete(a.delete)
-        created = await self._create(spec, a.create_workers, a.create_spares, pods)
-        if created:
-            events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
-            self._crash_point("pods-created")
-
-        # (4) push the plan in force to members that do not hold it yet.
+        # (2) push the plan in force to members that do not hold it yet: the trainers wait for it,
+        # nothing else does, so it goes before any pod is deleted or created.
         if plan is not None:
             if self.acked_epoch != plan.epoch:
                 # A restarted operator: it does not know who holds the plan; a second push is harmless.
@@ -253,9 +249,19 @@ class JobController:
                 self.push_due = {m.pod: 0.0 for m in plan.members}
             self._ack_from_heartbeats(plan)
             events.extend(await self._push(plan))
+            if fresh:
+                self._crash_point("plan-pushed")
+
+        # (3) failed pods go; new pods come (names reserved first); labels follow the plan.
+        await self._delete(a.delete)
+        created = await self._create(spec, a.create_workers, a.create_spares, pods)
+        if created:
+            events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
+            self._crash_point("pods-created")
+        if plan is not None:
             await self._sync_labels(plan, pods)
 
-        # (5) status, then events.
+        # (4) status, then events.
         acknowledged = plan is not None and all(m.pod in self.acked for m in plan.members)
         phase, reason = phase_of(plan, acknowledged, self.waiting, bool(pods) or bool(self.expected))
         duration = self.status.last_recovery_duration_seconds

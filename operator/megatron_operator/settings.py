@@ -50,7 +50,7 @@ class OperatorSettings(BaseSettings):
     crash_at: str | None = Field(
         default=None,
         description="Fault injection for tests: SIGKILL the operator itself at this recovery point "
-        "(plan-stored, pods-created).",
+        "(plan-stored, plan-pushed, pods-created).",
     )
 
     @property
