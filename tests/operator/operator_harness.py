@@ -157,7 +157,12 @@ class RecordingAgents:
             with self._lock:
                 self.pod_at[ip] = name
             if ip not in self._sites:
-                self._sites[ip] = self._run(self._serve(ip))
+                try:
+                    self._sites[ip] = self._run(self._serve(ip))
+                except OSError as exc:
+                    # Another local cluster (another test run) may use the same loopback pod
+                    # address; the next sync tries again.
+                    print(f"recording agent for {name} at {ip}: {exc}", file=sys.stderr)
 
     async def _serve(self, ip: str) -> web.AppRunner:
         async def plan(request: web.Request) -> web.Response:
