@@ -7,6 +7,7 @@ Scenarios:
   409; a good plan parses;
 - worker lifecycle: allowed transitions pass, forbidden ones raise; the pod state derived from
   workers' phases (failure dominates, slowest worker wins, mixed is reconfiguring);
+- hang deadline: a worker that just reported a checkpoint step gets the save's grace;
 - phase times: instants (``*_at``, ``*_unix``) and invalid values stay out of the durations;
 - settings: read from an environment mapping with defaults from the spec; each missing or
   malformed variable is named in the error.
@@ -31,6 +32,7 @@ from megatron_trainer.agent.plan_acceptance import (
     parse_plan,
 )
 from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError, hang_timeout_for
+from megatron_trainer.agent.supervisor import silence_allowed
 
 PODS = [PodAddress("p0", "127.0.0.1"), PodAddress("p1", "127.0.0.2")]
 
@@ -148,6 +150,14 @@ def test_transitions_follow_the_table() -> None:
 )
 def test_pod_state_from_worker_phases(phases: list[WorkerPhase], state: AgentState) -> None:
     assert pod_state(phases) is state
+
+
+def test_a_checkpoint_step_allows_a_longer_silence() -> None:
+    assert silence_allowed(13, last_step=7, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 13
+    assert silence_allowed(13, last_step=10, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 613
+    assert silence_allowed(13, last_step=0, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 13
+    assert silence_allowed(13, last_step=10, checkpoint_interval_steps=None, checkpoint_grace_seconds=600) == 13
+    assert silence_allowed(13, last_step=None, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 13
 
 
 # -- metrics --------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class Agent:
             settings.hang_timeout_seconds,
             on_message=self._on_worker_message,
             on_exit=self._on_worker_exit,
+            checkpoint_interval_steps=settings.spec.checkpoint.interval_steps if settings.spec.checkpoint else None,
+            checkpoint_grace_seconds=settings.checkpoint_save_grace_seconds,
         )
         self.rendezvous = RendezvousHost(settings.pod_ip, settings.rendezvous_port)
         self.heartbeat: HeartbeatSender | None = None
@@ -282,7 +284,7 @@ class Agent:
         self.supervisor.kill(
             handle,
             f"hung: no progress for {silent_seconds:.1f}s while training "
-            f"(limit {self.settings.hang_timeout_seconds:g}s)",
+            f"(limit {self.supervisor.allowed_silence(handle):g}s)",
         )
 
     def _on_worker_exit(self, handle: WorkerHandle) -> None:
@@ -328,6 +330,9 @@ class Agent:
             self._restarts,
             self.settings.worker_max_restarts,
         )
+        if self.heartbeat is not None:
+            # Tell the operator before the fresh worker makes the pod look healthy again.
+            await self.heartbeat.send_once()
         try:
             await self.supervisor.spawn(handle.local_rank, generation=handle.generation + 1)
         except OSError as err:

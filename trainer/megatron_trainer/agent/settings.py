@@ -23,6 +23,7 @@ ENV_WORKER_COMMAND = "MEGATRON_WORKER_COMMAND"  # JSON list; the worker's argv b
 ENV_WORKER_MAX_RESTARTS = "MEGATRON_WORKER_MAX_RESTARTS"
 ENV_WORKER_HANG_TIMEOUT = "MEGATRON_WORKER_HANG_TIMEOUT_SECONDS"
 ENV_SHUTDOWN_GRACE = "MEGATRON_SHUTDOWN_GRACE_SECONDS"
+ENV_CHECKPOINT_SAVE_GRACE = "MEGATRON_CHECKPOINT_SAVE_GRACE_SECONDS"  # extra silence allowed for a save
 ENV_HOST_RENDEZVOUS = "MEGATRON_HOST_RENDEZVOUS"  # "0" disables the store server (tests of one handler)
 
 DEFAULT_WORKER_COMMAND = (sys.executable, "-m", "megatron_trainer.worker")
@@ -70,6 +71,7 @@ class AgentSettings(BaseModel):
     worker_max_restarts: int = Field(ge=0)
     hang_timeout_seconds: float = Field(gt=0)
     shutdown_grace_seconds: float = Field(gt=0)
+    checkpoint_save_grace_seconds: float = Field(ge=0)
 
     @property
     def report_url(self) -> str | None:
@@ -141,6 +143,7 @@ class AgentSettings(BaseModel):
                 worker_max_restarts=int(number(ENV_WORKER_MAX_RESTARTS, 0, int)),
                 hang_timeout_seconds=number(ENV_WORKER_HANG_TIMEOUT, hang_timeout_for(spec), float),
                 shutdown_grace_seconds=number(ENV_SHUTDOWN_GRACE, 10.0, float),
+                checkpoint_save_grace_seconds=number(ENV_CHECKPOINT_SAVE_GRACE, 600.0, float),
             )
         except ValidationError as err:
             raise SettingsError(f"invalid agent settings: {err}") from None

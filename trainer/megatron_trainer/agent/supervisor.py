@@ -79,6 +79,27 @@ class WorkerHandle:
         return True
 
 
+def silence_allowed(
+    hang_timeout_seconds: float,
+    last_step: int | None,
+    checkpoint_interval_steps: int | None,
+    checkpoint_grace_seconds: float,
+) -> float:
+    """How long a training worker may stay silent after its last message.
+
+    Workers save a checkpoint right after reporting a step that is a multiple of the checkpoint
+    interval, synchronously (a 1 B model took ~22 s on 4xH200, see shared/FACTS.md); a silence
+    then is a save, not a hang, and gets the save's grace on top.
+    """
+    saving = (
+        checkpoint_interval_steps is not None
+        and last_step is not None
+        and last_step > 0
+        and last_step % checkpoint_interval_steps == 0
+    )
+    return hang_timeout_seconds + (checkpoint_grace_seconds if saving else 0.0)
+
+
 MessageHandler = Callable[[WorkerHandle, ToAgent], None]
 ExitHandler = Callable[[WorkerHandle], None]
 
@@ -93,10 +114,14 @@ class WorkerSupervisor:
         hang_timeout_seconds: float,
         on_message: MessageHandler,
         on_exit: ExitHandler,
+        checkpoint_interval_steps: int | None = None,
+        checkpoint_grace_seconds: float = 0.0,
     ) -> None:
         self.command = tuple(command)
         self.env = dict(env)
         self.hang_timeout_seconds = hang_timeout_seconds
+        self.checkpoint_interval_steps = checkpoint_interval_steps
+        self.checkpoint_grace_seconds = checkpoint_grace_seconds
         self._on_message = on_message
         self._on_exit = on_exit
         self.workers: dict[int, WorkerHandle] = {}
@@ -168,15 +193,24 @@ class WorkerSupervisor:
 
     # -- hangs -----------------------------------------------------------------------------------
 
+    def allowed_silence(self, handle: WorkerHandle) -> float:
+        """Seconds ``handle`` may stay silent while training (see :func:`silence_allowed`)."""
+        return silence_allowed(
+            self.hang_timeout_seconds,
+            handle.progress.step if handle.progress is not None else None,
+            self.checkpoint_interval_steps,
+            self.checkpoint_grace_seconds,
+        )
+
     def find_hung(self, now: float) -> list[WorkerHandle]:
-        """Training workers silent for longer than the hang timeout."""
+        """Training workers silent for longer than they may be."""
         return [
             h
             for h in self.workers.values()
             if h.alive
             and h.kill_reason is None
             and h.phase is WorkerPhase.TRAINING
-            and now - h.last_seen > self.hang_timeout_seconds
+            and now - h.last_seen > self.allowed_silence(h)
         ]
 
     def kill(self, handle: WorkerHandle, reason: str) -> None:
