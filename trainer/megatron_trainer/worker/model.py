@@ -99,8 +99,13 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
     )
     if device.type == "cuda":
         gpt.cuda(device)
+    module: Any = gpt
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        module = Float16Module(config, gpt)  # casts inputs to bf16 and the loss back to fp32
     model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), gpt
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), module
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
@@ -148,6 +153,14 @@ def _init_optimizer_state(optimizer: Any) -> None:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def sync_initial_weights(ts: TrainState) -> None:
+    """Give every DP replica DP rank 0's initial weights (collective over the DP group) and
+    refresh the optimizer's fp32 main copies from them."""
+    ts.model.broadcast_params()
+    for opt in getattr(ts.optimizer, "chained_optimizers", None) or [ts.optimizer]:
+        opt.reload_model_params()
 
 
 def state_tensors(ts: TrainState) -> list[torch.Tensor]:

@@ -37,7 +37,14 @@ from megatron_trainer.faults import FaultPlan, InjectedFault
 from megatron_trainer.worker import abort, checkpoint, rendezvous
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
 from megatron_trainer.worker.lifecycle import WorkerState, check_transition
-from megatron_trainer.worker.model import HeldState, TrainState, adopt_state, build_train_state, detach_state
+from megatron_trainer.worker.model import (
+    HeldState,
+    TrainState,
+    adopt_state,
+    build_train_state,
+    detach_state,
+    sync_initial_weights,
+)
 from megatron_trainer.worker.peer_restore import restore_from_peers
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.step import StepAborted, guard_commit, train_step
@@ -46,8 +53,16 @@ from megatron_trainer.worker.verify import verify_state
 log = logging.getLogger("megatron_trainer.worker")
 
 
-class _Interrupt(Exception):
-    """Internal: leave the training loop to enter a newer plan (or shut down)."""
+_COLLECTIVE_ERROR_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "abort", "socket", "peer")
+
+
+def is_collective_error(err: BaseException) -> bool:
+    """Whether a step's exception came from a failed or aborted collective (a peer died, hung or
+    the epoch was aborted), as opposed to a bug that no reconfiguration would fix."""
+    if isinstance(err, StepAborted | dist.DistError):
+        return True
+    text = str(err).lower()
+    return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)
 
 
 class Worker:
@@ -261,6 +276,10 @@ class Worker:
             if self.held is None:
                 raise RuntimeError(f"plan epoch {plan.epoch} says rank {self.rank} keeps its state, but it holds none")
             adopt_state(ts, self.held)
+        elif source.kind is StateSourceKind.INIT:
+            # GPU initialization draws from per-device generators; like Megatron's own training
+            # loop, make every DP replica start from DP rank 0's weights.
+            sync_initial_weights(ts)
         self.held = None
         guard_commit(ts, self._aborted.is_set)
         phases["rebuild"] = time.perf_counter() - t
@@ -323,7 +342,9 @@ class Worker:
                 )
             except InjectedFault:
                 raise
-            except (StepAborted, RuntimeError) as err:  # gloo/NCCL errors are RuntimeErrors
+            except RuntimeError as err:
+                if not (self._aborted.is_set() or is_collective_error(err)):
+                    raise  # a bug or a bad configuration: no reconfiguration will fix it
                 failure = f"{type(err).__name__}: {err}"
             finally:
                 self._step_started = None
