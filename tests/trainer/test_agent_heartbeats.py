@@ -5,7 +5,7 @@ Scenarios:
   (the endpoint refuses anything else and counts it);
 - after a plan: epoch, state training, rising step and consumed samples, the worker's global rank;
 - a worker's CollectiveFailed reaches the operator at once as a failed peer naming the peer's
-  rank and pod (resolved from the plan), and is not repeated once acknowledged;
+  rank and pod (resolved from the plan), and stops being sent once acknowledged;
 - the epoch in the operator's answer is recorded (an agent that missed a push shows it);
 - the next plan resumes training from its resume step.
 """
@@ -24,6 +24,7 @@ from agent_harness import (
     make_plan,
     make_spec,
     running_agents,
+    wait_for,
 )
 
 from megatron_contract.agent import AgentState
@@ -57,24 +58,28 @@ def test_heartbeats_carry_epoch_step_and_failed_peers(operator: RecordingOperato
         status, _ = agent.post_plan(make_plan(SPEC, [agent.pod, OTHER], epoch=1))
         assert status == 200
         training = operator.wait_report(
-            "pod-a", lambda r: r.state is AgentState.TRAINING and (r.step or 0) >= 3, 15, "training steps"
+            "pod-a", lambda r: r.state is AgentState.TRAINING and (r.step or 0) >= 3, 30, "training steps"
         )
         assert training.epoch == 1 and training.workers[0].rank == 0
         assert training.consumed_samples == training.step * SPEC.training.global_batch_size  # type: ignore[operator]
         assert training.loss is not None and training.tokens_per_second and training.step_time_seconds
 
-        failed = operator.wait_report("pod-a", lambda r: bool(r.failed_peers), 15, "a failed peer")
+        failed = operator.wait_report("pod-a", lambda r: bool(r.failed_peers), 30, "a failed peer")
         peer = failed.failed_peers[0]
         assert (peer.epoch, peer.rank, peer.pod) == (1, 1, "pod-b")
         assert "peer reset" in peer.reason and peer.detected_at is not None
         assert failed.state is AgentState.RECONFIGURING and failed.healthy
-        # Acknowledged once, never repeated: later reports carry no failed peer.
-        count = len(operator.reports_from("pod-a"))
-        later = operator.wait_report(
-            "pod-a", lambda r: operator.reports_from("pod-a").index(r) > count + 2, 15, "later reports"
-        )
-        assert [r for r in operator.reports_from("pod-a")[count:] if r.failed_peers] == []
-        assert later.failed_peers == []
+
+        # Cleared once acknowledged: the reports that follow stop carrying it. (A report whose answer
+        # came too late for the agent is sent again, so "exactly once" would be a race on a busy host.)
+        def quiet_after_failure() -> bool:
+            reports = operator.reports_from("pod-a")
+            last_with = max(i for i, r in enumerate(reports) if r.failed_peers)
+            return len(reports) - last_with > 3
+
+        wait_for(quiet_after_failure, 30, "three reports without the failed peer after the last one with it")
+        with_failure = [r for r in operator.reports_from("pod-a") if r.failed_peers]
+        assert all(r.failed_peers == [peer] for r in with_failure)  # the same entry, never a duplicate
 
         operator.epoch = 2  # the operator has moved on: the agent shows it missed a push
         agent.wait_state(lambda s: s["operatorEpoch"] == 2, 10, "the operator's epoch recorded")
@@ -82,7 +87,7 @@ def test_heartbeats_carry_epoch_step_and_failed_peers(operator: RecordingOperato
         plan = make_plan(SPEC, [agent.pod, OTHER], epoch=2, reason=PlanReason.REPLACE, resume_step=FAIL_AT_STEP)
         assert agent.post_plan(plan)[0] == 200
         resumed = operator.wait_report(
-            "pod-a", lambda r: r.epoch == 2 and (r.step or 0) > FAIL_AT_STEP, 15, "steps in epoch 2"
+            "pod-a", lambda r: r.epoch == 2 and (r.step or 0) > FAIL_AT_STEP, 30, "steps in epoch 2"
         )
         assert resumed.state is AgentState.TRAINING
         assert min(r.step or 0 for r in operator.reports_from("pod-a") if r.epoch == 2 and r.step) > FAIL_AT_STEP
