@@ -80,12 +80,12 @@ class AgentsProcess:
         return result
 
     def close(self) -> None:
-        self._ask_quit()
+        if self._proc.is_alive():
+            with self._lock:
+                self._conn.send(("quit", None))
         self._proc.join(10)
-
-    def _ask_quit(self) -> None:
-        with self._lock:
-            self._conn.send(("quit", None))
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 class EpochWatch:
@@ -233,15 +233,23 @@ def main() -> int:
         print(f"operator peak RSS (VmHWM): {rss:.1f} MiB")
         return 0
     finally:
-        if watch is not None:
-            watch.stop()
-        if agents is not None:
-            agents.close()
+        # Every step runs even if one fails: a leaked operator or cluster would push plans into
+        # the next run's loopback addresses.
+        steps = [
+            watch.stop if watch is not None else None,
+            agents.close if agents is not None else None,
+            operator.stop if operator is not None else None,
+            cluster.stop,
+        ]
+        for step in steps:
+            if step is None:
+                continue
+            try:
+                step()
+            except Exception as exc:
+                print(f"cleanup: {exc!r}", file=sys.stderr)
         if operator is not None:
-            operator.stop()
             print(f"operator log: {operator.log_path}")
-        cluster.stop()
-
 
 if __name__ == "__main__":
     sys.exit(main())
