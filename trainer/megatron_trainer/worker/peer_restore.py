@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_contract.mesh import MeshPlan, StateSourceKind
 from megatron_trainer.worker.model import TrainState, state_tensors
+from megatron_trainer.worker.rendezvous import replica_group
 
 
 def unique_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -35,9 +36,7 @@ def peer_sources(plan: MeshPlan, group_ranks: list[int]) -> list[int]:
 
 def restore_from_peers(ts: TrainState, plan: MeshPlan, device: torch.device) -> int:
     """Run the broadcasts this rank's DP group needs; returns bytes received or sent per source."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
+    group = replica_group()
     sources = peer_sources(plan, dist.get_process_group_ranks(group))
     if not sources:
         return 0

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_contract.mesh import BatchGeometry
 from megatron_trainer.worker.data import TokenSource, micro_batches
 from megatron_trainer.worker.model import TrainState
+from megatron_trainer.worker.rendezvous import replica_group
 
 
 class StepAborted(RuntimeError):
@@ -60,6 +61,7 @@ def train_step(
     dp_rank: int,
     device: torch.device,
     mid_step_hook: Callable[[], None],
+    commit: bool = True,
 ) -> StepResult:
     """Run step ``ts.step``; on success ``ts.step`` is incremented.
 
@@ -70,6 +72,8 @@ def train_step(
         dp_rank: this rank's data-parallel rank.
         device: where tensors live.
         mid_step_hook: called after the first micro-batch's forward pass (fault injection point).
+        commit: False runs forward and backward only and discards the gradients (a spare's
+            warm-up: kernels, cuBLAS handles and allocator pools are ready before promotion).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -106,6 +110,9 @@ def train_step(
         micro_batch_size=batch.micro_batch_size,
         forward_only=False,
     )
+    if not commit:
+        ts.model.zero_grad_buffer()
+        return StepResult(loss=float("nan"), samples=(), seconds=time.perf_counter() - start, tokens=0)
     loss = _global_loss(reported, device, parallel_state)
     ok, _grad_norm, _ = ts.optimizer.step()
     if not ok:
@@ -123,7 +130,7 @@ def _global_loss(reported: list[dict[str, torch.Tensor]], device: torch.device, 
     if parallel_state.is_pipeline_last_stage():
         for r in reported:
             totals += r["lm loss"].to(device)
-    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(totals, group=replica_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast(totals, src=last, group=parallel_state.get_pipeline_model_parallel_group())
