@@ -383,14 +383,16 @@ class Harness:
             for op in self.operators:
                 print("=" * 30, op.log_path)
                 print(op.log_text()[-20000:])
-        for op in self.operators:
+        for op in self.operators:  # first: a leaked operator would push into later tests' addresses
             op.stop()
         self._stop.set()
         self._syncer.join(5)
-        self.agents.close()
-        self.api.delete_job(self.job)
-        for name in self.nodes:
-            self.cluster.request("DELETE", f"/api/v1/nodes/{name}")
+        try:
+            self.agents.close()
+        finally:
+            self.api.delete_job(self.job)
+            for name in self.nodes:
+                self.cluster.request("DELETE", f"/api/v1/nodes/{name}")
 
 
 def harness_for_test(cluster: Any, namespace: str, tmp: Path, request: Any, job: str) -> Iterator[Harness]:
