@@ -81,6 +81,12 @@ class AgentMetrics:
             f"{PREFIX}_collective_failures", "Collectives the workers reported failed or hung.", registry=r
         )
         self.heartbeats = Counter(f"{PREFIX}_heartbeats", "Heartbeats sent, by outcome.", ["outcome"], registry=r)
+        # Known label values start at 0, so rate() and alerts see a series before the first event.
+        self.worker_kills.labels(reason="hung")
+        for outcome in ("succeeded", "failed", "killed"):
+            self.worker_exits.labels(outcome=outcome)
+        for outcome in ("ok", "error"):
+            self.heartbeats.labels(outcome=outcome)
         self.set_state(AgentState.STARTING)
 
     def set_state(self, state: AgentState) -> None:
