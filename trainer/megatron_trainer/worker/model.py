@@ -10,6 +10,7 @@ surviving rank keeps its exact bits and a re-mesh costs allocations, not copies.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class TrainState:
     optimizer: Any  # megatron.core.optimizer.MegatronOptimizer (ChainedOptimizer)
     config: Any  # megatron.core.transformer.TransformerConfig
     step: int = 0  # steps completed by this state
+    build_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per build stage
 
 
 @dataclasses.dataclass
@@ -88,6 +90,7 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
         calculate_per_token_loss=True,
     )
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    marks = [("start", time.perf_counter())]
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec),
@@ -99,6 +102,7 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
     )
     if device.type == "cuda":
         gpt.cuda(device)
+    marks.append(("model", _synced(device)))
     module: Any = gpt
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
@@ -107,6 +111,7 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
     model = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), module
     )
+    marks.append(("ddp", _synced(device)))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     optimizer = get_megatron_optimizer(
@@ -121,8 +126,17 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
         [model],
         use_gloo_process_groups=False,  # gloo side groups cost a TCP mesh per epoch; not needed here
     )
+    marks.append(("optimizer", _synced(device)))
     _init_optimizer_state(optimizer)
-    return TrainState(model=model, optimizer=optimizer, config=config)
+    marks.append(("optimizer_state", _synced(device)))
+    times = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
+    return TrainState(model=model, optimizer=optimizer, config=config, build_seconds=times)
+
+
+def _synced(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _layer_spec(factory: Any) -> Any:

@@ -168,6 +168,7 @@ class Worker:
             self._aborted.set()
         if self.backend == "nccl" and self.epoch:
             took = abort.abort_communicators()
+            self._phases["abort_nccl"] = took
             log.info("communicators aborted in %.3fs (%s)", took, reason)
 
     # -- watchdog thread ---------------------------------------------------------------------------
@@ -219,6 +220,10 @@ class Worker:
         self.held = detach_state(ts)
         del ts
         abort.release_process_groups()
+        # Everything alive now (torch, megatron, their module-level objects) lives as long as the
+        # process: keep it out of every later collection, so the gc.collect() on the abort path
+        # scans only the objects of the epoch being dropped (0.5 s -> a few ms on CPU).
+        gc.freeze()
 
     def _next_plan(self) -> MeshPlan | None:
         with self._lock:
@@ -237,7 +242,9 @@ class Worker:
         if self.ts is not None:
             self.held = detach_state(self.ts)
             self.ts = None
+        t = time.perf_counter()
         gc.collect()  # frames of the failed step may still reference modules
+        self._phases["abort_gc"] = time.perf_counter() - t
         abort.release_process_groups()
         self.epoch = 0
         self.store = None
@@ -292,6 +299,7 @@ class Worker:
         self.held = None
         guard_commit(ts, self._aborted.is_set)
         phases["rebuild"] = time.perf_counter() - t
+        phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
         t = time.perf_counter()
         moved = restore_from_peers(ts, plan, self.device)
