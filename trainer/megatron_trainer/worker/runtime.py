@@ -219,6 +219,13 @@ class Worker:
             torch.cuda.synchronize()
         self.held = detach_state(ts)
         del ts
+        if self.device.type == "cuda":
+            # Build once more and drop it: CUDA's caching allocator keeps the blocks of a whole
+            # build (including the optimizer's clone-then-cast of every parameter), so the build
+            # at promotion or recovery reuses them instead of calling cudaMalloc ~1000 times.
+            spare_blocks = build_train_state(self.spec, self.device, initialize=False)
+            del spare_blocks
+            gc.collect()
         abort.release_process_groups()
         # Everything alive now (torch, megatron, their module-level objects) lives as long as the
         # process: keep it out of every later collection, so the gc.collect() on the abort path
