@@ -99,6 +99,18 @@ class EnvVar(WireModel):
     value: str = ""
 
 
+class Toleration(WireModel):
+    """A toleration of trainer pods (GPU nodes are often tainted), as in core/v1."""
+
+    key: str | None = Field(default=None, description="Taint key; empty with operator Exists matches all.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value, for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; all when unset."
+    )
+    toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: how long to stay.")
+
+
 class Resources(WireModel):
     """Container resources per pod; ``nvidia.com/gpu`` is set from gpusPerPod."""
 
@@ -202,6 +214,9 @@ class MegatronJobSpec(WireModel):
     spares: int = Field(default=0, ge=0, le=4096, description="Hot-spare pods kept warm to replace failed ones.")
     resources: Resources = Field(default_factory=Resources, description="Per-pod resources besides GPUs.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of trainer pods.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Tolerations of trainer pods."
+    )
     checkpoint: CheckpointSpec | None = Field(default=None, description="Distributed checkpoints.")
     max_recoveries: int = Field(
         default=100, ge=0, le=100000, description="Recoveries after which the job fails instead of recovering again."

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,11 +30,13 @@ from typing import Any
 import yaml
 
 from localcluster import build, certs
-from localcluster.nodeagent import NodeAgent
+from localcluster.nodeagent import PROCESS_POD_OCTETS, NodeAgent
 
 SERVICE_CIDR = "10.0.0.0/24"
-#: Pod IPs of kwok nodes come from here: loopback, so a test can serve at a pod's address.
-POD_CIDR = "127.64.0.1/16"
+#: Pod IPs of kwok nodes are on loopback (127.K.x.y), so a test can serve at a pod's address;
+#: each cluster draws its own K (and the node agent its own), so that two clusters running at once
+#: (two developers' test runs) never hand out the same address.
+KWOK_POD_OCTETS = range(64, 150)
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_RESOURCE = "nvidia.com/gpu"
 STATE_FILE = "cluster.json"
@@ -85,6 +88,9 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._certs: certs.Certs | None = None
         self.node_agents: list[NodeAgent] = []
+        rng = random.SystemRandom()
+        self.kwok_pod_cidr = f"127.{rng.choice(KWOK_POD_OCTETS)}.0.1/16"
+        self.process_pod_prefix = f"127.{rng.choice(PROCESS_POD_OCTETS)}"
 
     # -- paths ------------------------------------------------------------------------------------
 
@@ -275,7 +281,7 @@ class LocalCluster:
                 f"--kubeconfig={self.kubeconfig}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-                f"--cidr={POD_CIDR}",
+                f"--cidr={self.kwok_pod_cidr}",
                 "--node-ip=127.0.0.1",
                 "--node-port=0",
                 "--server-address=",
@@ -421,12 +427,15 @@ class LocalCluster:
     def add_process_nodes(self, count: int, gpus_per_node: int = 8, prefix: str = "local") -> NodeAgent:
         """Register ``count`` nodes whose pods run as local processes (see :mod:`localcluster.nodeagent`).
 
-        Pods reach them with ``nodeSelector: {megatron.dev/local-node: "true"}``. Returns the agent,
-        whose ``kill_pod_process`` plays a dying GPU.
+        Pods reach them with ``nodeSelector: {megatron.dev/local-node: "true"}``, or only these
+        nodes with ``{megatron.dev/node-pool: <prefix>}``. Returns the agent, whose
+        ``kill_pod_process`` plays a dying GPU.
         """
         start = len([a for a in self.node_agents for _ in a.node_list])
         names = [f"{prefix}-{start + i}" for i in range(count)]
-        agent = NodeAgent(self.kubeconfig, names, self.workdir, gpus_per_node).start()
+        agent = NodeAgent(
+            self.kubeconfig, names, self.workdir, gpus_per_node, pool=prefix, ip_prefix=self.process_pod_prefix
+        ).start()
         self.node_agents.append(agent)
         self._wait(lambda: all(self.node_ready(n) for n in names), "node agent", 30)
         return agent

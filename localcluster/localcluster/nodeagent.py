@@ -2,7 +2,7 @@
 
 Pods that the scheduler binds to this agent's nodes run as local processes: the container's
 command and args with its environment (plain values, downward-API ``fieldRef`` and
-``secretKeyRef`` resolved), a loopback pod IP of its own (``127.65.x.y``, so every pod can bind
+``secretKeyRef`` resolved), a loopback pod IP of its own (``127.P.x.y``, so every pod can bind
 the same ports), status reported as Running, then Succeeded or Failed with the exit code (128+N
 for a signal, as container runtimes do), and the process group killed when the pod is deleted.
 Nodes stay Ready through Lease renewals. ``python``/``python3`` as the command run with this
@@ -28,7 +28,14 @@ from localcluster.api import ApiError, KubeApi
 
 GPU_RESOURCE = "nvidia.com/gpu"
 LOCAL_NODE_LABEL = "megatron.dev/local-node"
-POD_IP_PREFIX = "127.65"
+#: The nodes of one NodeAgent share this label's value, so a test can keep its pods on its own nodes.
+NODE_POOL_LABEL = "megatron.dev/node-pool"
+#: Process nodes are tainted so that only pods meant to run as processes land there (pods of
+#: tests that use kwok nodes would otherwise be scheduled here and fail to start).
+LOCAL_NODE_TAINT = {"key": LOCAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}
+LOCAL_NODE_TOLERATION = {"key": LOCAL_NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+#: Second octets of the loopback ranges (127.P.x.y) pod IPs of process nodes come from.
+PROCESS_POD_OCTETS = range(150, 236)
 LEASE_SECONDS = 40
 RENEW_SECONDS = 10
 #: Variables a pod inherits from the agent (so the project's Python and paths work inside it).
@@ -60,8 +67,18 @@ class RunningPod:
 class NodeAgent:
     """Runs the pods of ``nodes`` as local processes until :meth:`stop`."""
 
-    def __init__(self, kubeconfig: Path, nodes: list[str], workdir: Path, gpus_per_node: int = 8) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        nodes: list[str],
+        workdir: Path,
+        gpus_per_node: int = 8,
+        pool: str = "local",
+        ip_prefix: str = "127.150",
+    ) -> None:
         self.api = KubeApi(kubeconfig)
+        self.ip_prefix = ip_prefix
+        self.pool = pool
         self.nodes = set(nodes)
         self.node_list = list(nodes)
         self.gpus_per_node = gpus_per_node
@@ -99,8 +116,11 @@ class NodeAgent:
         node = {
             "apiVersion": "v1",
             "kind": "Node",
-            "metadata": {"name": name, "labels": {LOCAL_NODE_LABEL: "true", "kubernetes.io/hostname": name}},
-            "spec": {},
+            "metadata": {
+                "name": name,
+                "labels": {LOCAL_NODE_LABEL: "true", NODE_POOL_LABEL: self.pool, "kubernetes.io/hostname": name},
+            },
+            "spec": {"taints": [LOCAL_NODE_TAINT]},
         }
         with contextlib.suppress(ApiError):
             self.api.request("POST", "/api/v1/nodes", node)
@@ -285,7 +305,7 @@ class NodeAgent:
         with self._lock:
             n = self._next_ip
             self._next_ip += 1
-        return f"{POD_IP_PREFIX}.{n // 250}.{n % 250 + 1}"
+        return f"{self.ip_prefix}.{n // 250}.{n % 250 + 1}"
 
     def _wait_exit(self, running: RunningPod, container: dict[str, Any]) -> None:
         code = running.proc.wait()

@@ -194,6 +194,8 @@ def build_pod(
         pod_spec["hostname"] = name
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in spec.tolerations]
     if spec.checkpoint is not None and spec.checkpoint.volume_claim_name:
         pod_spec["volumes"] = [
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume_claim_name}}

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from localcluster.cluster import LocalCluster
-from localcluster.nodeagent import LOCAL_NODE_LABEL
+from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL
 
 JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
 
 
 def make_elastic_job(
-    name: str = "e2e", *, replicas: int = 2, spares: int = 1, train_iters: int = 40, **spec: Any
+    name: str = "e2e", *, pool: str = "e2e", replicas: int = 2, spares: int = 1, train_iters: int = 40, **spec: Any
 ) -> dict[str, Any]:
     """A tiny GPT job whose pods run the real trainer agent on the node agent's process nodes."""
     body: dict[str, Any] = {
@@ -27,7 +27,8 @@ def make_elastic_job(
         "replicas": replicas,
         "minReplicas": 1,
         "spares": spares,
-        "nodeSelector": {LOCAL_NODE_LABEL: "true"},
+        "nodeSelector": {NODE_POOL_LABEL: pool},  # the nodes of the test's own node agent
+        "tolerations": [LOCAL_NODE_TOLERATION],
         "model": {"numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 2, "seqLength": 16, "vocabSize": 128},
         "training": {"globalBatchSize": 4, "microBatchSize": 1, "trainIters": train_iters, "lr": 0.001, "seed": 7},
         "failureDetection": {

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from localcluster.cluster import LocalCluster
-from localcluster.nodeagent import LOCAL_NODE_LABEL, NodeAgent
+from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL, NodeAgent
 
 pytestmark = pytest.mark.cluster
 
@@ -32,7 +32,8 @@ def make_pod(name: str, script: str) -> dict[str, Any]:
         "spec": {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 2,
-            "nodeSelector": {LOCAL_NODE_LABEL: "true"},
+            "nodeSelector": {NODE_POOL_LABEL: "proc"},  # this module's node, not another test's
+            "tolerations": [LOCAL_NODE_TOLERATION],
             "containers": [
                 {
                     "name": "main",
@@ -82,7 +83,7 @@ def test_pod_runs_as_a_process_with_its_environment(
     pod = wait_pod(local_cluster, namespace, "envpod", "Succeeded")
     env = json.loads(out.read_text())
     assert env["PLAIN"] == "v" and env["POD_NAME"] == "envpod" and env["TOKEN"] == "s3cret"
-    assert env["POD_IP"] == pod["status"]["podIP"] and env["POD_IP"].startswith("127.65.")
+    assert env["POD_IP"] == pod["status"]["podIP"] and env["POD_IP"].startswith(node_agent.ip_prefix + ".")
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
 
 
