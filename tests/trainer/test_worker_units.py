@@ -12,13 +12,15 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from worker_harness import make_plan, make_spec, peer_sources
 
 from megatron_contract import wire
-from megatron_contract.mesh import BatchGeometry
+from megatron_contract.mesh import BatchGeometry, StateSourceKind
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
 from megatron_trainer.worker.data import MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
 from megatron_trainer.worker.settings import WorkerSettings
+from megatron_trainer.worker.verify import StateMismatch, check_step
 
 
 def test_lifecycle_allows_the_recovery_path() -> None:
@@ -118,3 +120,32 @@ def test_settings_name_what_is_missing() -> None:
         WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"replicas": -1}', wire.ENV_POD_NAME: "p"})
     with pytest.raises(ValueError, match=wire.ENV_POD_NAME):
         WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"image": "x", "replicas": 1}'})
+
+
+def test_survivors_step_wins_over_the_plans_estimate() -> None:
+    # The operator's resumeStep comes from lagging heartbeats: survivors that kept (or broadcast)
+    # their state may be well past it, or one step short when the step in flight was discarded.
+    spec = make_spec()
+    replace = make_plan(spec, 2, ["spare", "survivor"], 1, resume_step=5, sources=peer_sources(spec, [0, 1], [2, 3]))
+    for held in (5, 4, 6, 14):
+        check_step(replace, held)
+
+
+@pytest.mark.parametrize("epoch, held", [(1, 3), (2, 11)])
+def test_a_fresh_or_checkpoint_start_must_hold_the_plans_step(epoch: int, held: int) -> None:
+    spec = make_spec()
+    plan = make_plan(spec, epoch, ["a", "b"], 1, resume_step=10)
+    if epoch == 2:  # a shard nobody holds: everyone loads the checkpoint of step 10
+        plan = plan.model_copy(
+            update={
+                "state_sources": [
+                    s.model_copy(update={"kind": StateSourceKind.CHECKPOINT, "checkpoint_step": 10})
+                    for s in plan.state_sources
+                ]
+            }
+        )
+    else:
+        plan = plan.model_copy(update={"resume_step": 0})
+    with pytest.raises(StateMismatch, match="the plan restores step"):
+        check_step(plan, held)
+    check_step(plan, plan.resume_step)

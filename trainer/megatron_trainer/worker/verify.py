@@ -6,9 +6,13 @@ each new one costs an init on the recovery path) and a rank that fails the check
 instead of leaving them blocked in a collective. Each rank compares with its data-parallel group
 and its model-parallel group; since those groups connect every rank, the whole world agrees.
 
-The step may be the plan's ``resumeStep`` or one more: when a peer dies just after the last
-collective of a step, the survivors commit that step before they see the new plan. Every rank then
-holds that step, so it is kept (no sample is redone) rather than refused.
+Which step wins: a plan that starts from scratch or from a checkpoint fixes the step, and every
+rank must hold exactly the plan's ``resumeStep``. A plan whose state comes from survivors (kept or
+broadcast from a DP peer) cannot know it: the operator learns steps from heartbeats, which lag
+training by up to an interval (many steps on a fast model), and survivors may commit or discard the
+step in flight when the fault hits. There the step the survivors hold is the truth: model state,
+optimizer state and the sample cursor (a function of the step) travel together, so resuming from it
+drops and repeats no sample. It is kept, with a warning when it differs from the plan's estimate.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_contract.mesh import MeshPlan
+from megatron_contract.mesh import MeshPlan, StateSourceKind
 from megatron_trainer.worker.model import TrainState, state_checksum
 
 log = logging.getLogger(__name__)
@@ -46,13 +50,24 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store) -
         raise StateMismatch(
             f"epoch {plan.epoch}: peers of rank {rank} hold different steps { {r: s for r, (s, _) in seen.items()} }"
         )
-    if ts.step not in (plan.resume_step, plan.resume_step + 1):
-        raise StateMismatch(f"epoch {plan.epoch}: state is at step {ts.step}, the plan resumes at {plan.resume_step}")
-    if ts.step != plan.resume_step:
-        log.warning(
-            "epoch %d: every peer committed step %d after the plan was made; resuming after it", plan.epoch, ts.step - 1
-        )
+    check_step(plan, ts.step)
     digests = {seen[r][1] for r in dp_peers}
     if len(digests) > 1:
         raise StateMismatch(f"epoch {plan.epoch}: DP group {dp_peers} holds {len(digests)} different states")
     return checksum
+
+
+def check_step(plan: MeshPlan, step: int) -> None:
+    """Refuse a step the plan does not allow (see the module's docstring); warn when survivors
+    hold another step than the plan's estimate."""
+    if step == plan.resume_step:
+        return
+    if not all(s.kind in (StateSourceKind.SELF, StateSourceKind.PEER) for s in plan.state_sources):
+        raise StateMismatch(f"epoch {plan.epoch}: state is at step {step}, the plan restores step {plan.resume_step}")
+    log.warning(
+        "epoch %d: survivors hold step %d, the plan estimated %d; resuming at %d",
+        plan.epoch,
+        step,
+        plan.resume_step,
+        step,
+    )
