@@ -30,7 +30,7 @@ sys.path[:0] = [str(REPO / "contract"), str(REPO / "trainer"), str(REPO / "tests
 
 from worker_harness import WorkerCluster, make_spec, wait_for  # noqa: E402
 
-from megatron_contract.job import Precision  # noqa: E402
+from megatron_contract.job import MegatronJobSpec, Precision  # noqa: E402
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind  # noqa: E402
 from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
 from megatron_trainer.faults import Fault, inject_into  # noqa: E402
@@ -43,10 +43,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    """GPUs, model size, batch and seed (shared with ``trainer_loss_parity.py``)."""
     parser.add_argument("--gpus", type=int, default=4)
-    parser.add_argument("--faults", type=int, default=6)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
@@ -55,17 +54,16 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=6)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    if args.gpus < 2:
-        parser.error("--gpus must be at least 2 (one trainer and one spare)")
-    rng = random.Random(args.seed)
-    dp = args.gpus - 1
+
+
+def job_spec(args: argparse.Namespace, dp: int, train_iters: int) -> MegatronJobSpec:
+    """The benchmark's job: TP=1, one GPU per pod, ``dp`` replicas and one spare, bf16; prints its size."""
     spec = make_spec(
         replicas=dp,
         spares=1,
         tp=1,
         gpus_per_pod=1,
-        train_iters=1_000_000,
+        train_iters=train_iters,
         global_batch_size=args.global_batch,
         collective_timeout=60.0,
         num_layers=args.layers,
@@ -78,6 +76,19 @@ def main() -> int:
     h, L, V, S = args.hidden, args.layers, args.vocab, args.seq
     params = L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
     print(f"model: {L} layers, hidden {h}, ~{params / 1e9:.2f} B parameters; DP={dp} + 1 spare", flush=True)
+    return spec
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", type=int, default=6)
+    add_job_args(parser)
+    args = parser.parse_args()
+    if args.gpus < 2:
+        parser.error("--gpus must be at least 2 (one trainer and one spare)")
+    rng = random.Random(args.seed)
+    dp = args.gpus - 1
+    spec = job_spec(args, dp, train_iters=1_000_000)
 
     cluster = WorkerCluster(spec, Path(tempfile.mkdtemp(prefix="recovery-")))
     gpu_of: dict[str, int] = {}

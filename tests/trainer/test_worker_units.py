@@ -8,6 +8,9 @@ replica whatever the data-parallel size; settings name the missing variable.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy
 import pytest
 import torch
 from hypothesis import given
@@ -17,7 +20,7 @@ from worker_harness import make_plan, make_spec, peer_sources
 from megatron_contract import wire
 from megatron_contract.mesh import BatchGeometry, StateSourceKind
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
-from megatron_trainer.worker.data import MockTokens, micro_batches, replica_samples
+from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.verify import StateMismatch, check_step
@@ -149,3 +152,22 @@ def test_a_fresh_or_checkpoint_start_must_hold_the_plans_step(epoch: int, held: 
     with pytest.raises(StateMismatch, match="the plan restores step"):
         check_step(plan, held)
     check_step(plan, plan.resume_step)
+
+
+def test_indexed_tokens_read_megatrons_indexed_dataset(tmp_path: Path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    docs = [[5, 6, 7], list(range(10, 30)), [42]]
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for doc in docs:
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+    source = IndexedTokens(prefix, seq_length=7)
+    assert source.sample(0).tolist() == [5, 6, 7, 5, 6, 7, 5, 6]  # short: repeated to seq + 1
+    assert source.sample(1).tolist() == list(range(10, 18))  # long: cut
+    assert source.sample(2).tolist() == [42] * 8
+    assert source.sample(4).tolist() == source.sample(1).tolist()  # index wraps over the corpus
+    assert source.sample(1).dtype == torch.int64
