@@ -207,7 +207,9 @@ class MegatronJobSpec(WireModel):
     gpus_per_pod: int = Field(
         default=1, ge=1, le=16, description="GPUs (ranks) per pod.", json_schema_extra=_immutable("gpusPerPod")
     )
-    replicas: int = Field(ge=1, le=65536, description="Desired data-parallel size.")
+    replicas: int = Field(
+        ge=1, le=65536, description="Desired data-parallel size; lowering it on a running job resizes the mesh."
+    )
     min_replicas: int = Field(
         default=1, ge=1, le=65536, description="Smallest data-parallel size the job may shrink to."
     )
@@ -313,7 +315,11 @@ class MegatronJobStatus(WireModel):
     ready_workers: int = Field(default=0, ge=0, description="Worker pods running and reporting.")
     ready: str | None = Field(default=None, description="readyWorkers/desiredWorkers, for kubectl get.")
     spares_ready: int = Field(default=0, ge=0, description="Hot spares running and warm.")
-    recoveries: int = Field(default=0, ge=0, description="Plans made after the initial one.")
+    recoveries: int = Field(
+        default=0,
+        ge=0,
+        description="Plans made because pods were lost (replace or shrink); growing and resizing are not recoveries.",
+    )
     last_recovery_duration_seconds: float | None = Field(
         default=None, ge=0, description="Failure detected to plan pushed, for the last recovery."
     )

@@ -32,6 +32,7 @@ class PlanReason(enum.StrEnum):
     REPLACE = "replace"
     SHRINK = "shrink"
     GROW = "grow"
+    RESIZE = "resize"  # spec.replicas was lowered: whole replicas leave the mesh, no pod was lost
 
 
 class StateSourceKind(enum.StrEnum):

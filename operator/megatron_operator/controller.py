@@ -36,7 +36,7 @@ from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome
 from megatron_operator.push import PlanPusher, PushOutcome
-from megatron_operator.reconcile import AgentSignals, Assessment, assess, phase_of
+from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of
 from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import Observation, Reason, compute_status, status_body, status_changed
 
@@ -74,6 +74,7 @@ class JobController:
         self.token: str | None = None
         self.failed: dict[str, Failure] = {}
         self.expected: dict[str, float] = {}
+        self.retired: set[str] = set()  # surplus pods this operator deleted (not failures)
         self.acked: set[str] = set()
         self.acked_epoch = 0
         self.push_due: dict[str, float] = {}
@@ -187,7 +188,8 @@ class JobController:
             completed_step=self.book.completed_step(self.job.uid, members),
             all_succeeded=self.book.succeeded(self.job.uid, members),
         )
-        a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected)
+        a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected,
+                   retired=self.retired)
         assessed = time.monotonic()
         now = _now()
         for failure in a.failures:
@@ -213,7 +215,7 @@ class JobController:
         fresh = False  # a plan made in this pass
         if decision is not None and decision.outcome is Outcome.NEW_PLAN and decision.plan is not None:
             new_plan = decision.plan.model_copy(update={"created_at": now})
-            if new_plan.reason is not PlanReason.INITIAL:
+            if is_recovery(new_plan):
                 recoveries += 1
             plan, fresh = new_plan, True
             self.waiting = False
@@ -254,6 +256,10 @@ class JobController:
 
         # (3) failed pods go; new pods come (names reserved first); labels follow the plan.
         await self._delete(a.delete)
+        if a.retire:
+            self.retired.update(a.retire)
+            await self._delete((name, False) for name in a.retire)
+            events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
         created = await self._create(spec, a.create_workers, a.create_spares, pods)
         if created:
             events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
@@ -266,8 +272,8 @@ class JobController:
         phase, reason = phase_of(plan, acknowledged, self.waiting, bool(pods) or bool(self.expected))
         duration = self.status.last_recovery_duration_seconds
         recovered = (acknowledged and plan is not None and self.status.phase is JobPhase.RECOVERING
-                     and plan.reason in (PlanReason.REPLACE, PlanReason.SHRINK))
-        if acknowledged and plan is not None and plan.reason is PlanReason.GROW:
+                     and is_recovery(plan))
+        if acknowledged and plan is not None and not is_recovery(plan):
             self.detected_at = None
         if recovered and plan is not None:
             duration = self._recovery_seconds(now)

@@ -200,7 +200,7 @@ def plan_mesh(
     n_units = min(max_units, available // shape.pods_per_unit)
     current_units = len(previous_units)
 
-    if not lost and n_units <= current_units:
+    if not lost and n_units == current_units:
         return PlanDecision(Outcome.UNCHANGED, previous)
     if n_units < min_units:
         return PlanDecision(
@@ -234,7 +234,8 @@ def plan_mesh(
     promoted = tuple(p.name for u in new_units for p in u if p.name not in survivors)
     released = tuple(sorted(n for n in survivors if n not in members))
     if n_units < current_units:
-        reason = PlanReason.SHRINK
+        # Fewer units with every pod healthy: the user lowered spec.replicas.
+        reason = PlanReason.SHRINK if lost else PlanReason.RESIZE
     elif n_units > current_units:
         reason = PlanReason.GROW
     else:
@@ -246,6 +247,7 @@ def plan_mesh(
         + (f", lost {', '.join(lost)}" if lost else "")
         + (f", promoted {', '.join(promoted)}" if promoted else "")
         + (f", released {', '.join(released)}" if released else "")
+        + (f" (spec.replicas is {spec.replicas})" if reason is PlanReason.RESIZE else "")
     )
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
 

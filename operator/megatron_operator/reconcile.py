@@ -51,6 +51,7 @@ class Assessment:
         create_workers: worker pods to create (only before the first plan).
         create_spares: spare pods to create (replenishing the pool, growing back).
         delete: pods to delete, with whether to skip the grace period (their kubelet is gone).
+        retire: healthy pods to delete because the job has more than it needs (not failures).
         terminal: set when the job succeeds or fails now (or already has).
         ready_workers: members of the plan in force after the decision that are running.
         spares_ready: running pods outside that plan.
@@ -62,6 +63,7 @@ class Assessment:
     create_workers: int = 0
     create_spares: int = 0
     delete: tuple[tuple[str, bool], ...] = ()
+    retire: tuple[str, ...] = ()
     terminal: Terminal | None = None
     ready_workers: int = 0
     spares_ready: int = 0
@@ -118,6 +120,7 @@ def assess(
     known_failures: Mapping[str, Failure],
     expected: Collection[str] = (),
     checkpoint_step: int | None = None,
+    retired: Collection[str] = (),
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -131,7 +134,15 @@ def assess(
         known_failures: pods already declared failed (by name; names are never re-used).
         expected: pods created but not yet in the index (they count towards the pool).
         checkpoint_step: newest complete checkpoint, when known.
+        retired: pods this operator deleted as surplus; their going is no failure.
     """
+    if retired:
+        pods = [p for p in pods if p.name not in retired]
+        signals = dataclasses.replace(
+            signals,
+            silent=[n for n in signals.silent if n not in retired],
+            unhealthy=[n for n in signals.unhealthy if n not in retired],
+        )
     plan = status.plan
     if status.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
         return _wind_down(status, pods, plan, known_failures)
@@ -173,11 +184,9 @@ def assess(
         resume = signals.completed_step
         decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
                              checkpoint_step=checkpoint_step)
-        # Growing back is not a recovery; replacing, shrinking and waiting for capacity are.
+        # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
         new_plan = decision.plan if decision.outcome is Outcome.NEW_PLAN else None
-        needs_recovery = decision.outcome is Outcome.WAIT or (
-            new_plan is not None and new_plan.reason is not PlanReason.GROW
-        )
+        needs_recovery = decision.outcome is Outcome.WAIT or (new_plan is not None and is_recovery(new_plan))
         if needs_recovery and status.recoveries >= spec.max_recoveries:
             terminal = Terminal(
                 JobPhase.FAILED,
@@ -208,6 +217,14 @@ def assess(
 
     in_force = decision.plan if decision is not None and decision.plan is not None else plan
     member_names = {m.pod for m in in_force.members} if in_force is not None else set()
+    retire: tuple[str, ...] = ()
+    if in_force is not None:
+        # More pods than the mesh plus spares (spec.replicas or spec.spares lowered): the surplus
+        # outside the plan goes, pods not yet ready first, then the newest.
+        surplus = len(alive) + len(on_the_way) - target
+        outside = sorted((p for p in alive if p.name not in member_names),
+                         key=lambda p: (health[p.name][0] is PodHealth.READY, -p.serial))
+        retire = tuple(p.name for p in outside[: max(0, surplus)])
     ready_names = {p.name for p in ready}
     return Assessment(
         failures=tuple(failures),
@@ -216,6 +233,7 @@ def assess(
         create_workers=create_workers,
         create_spares=create_spares,
         delete=delete,
+        retire=retire,
         terminal=terminal,
         ready_workers=len(member_names & ready_names),
         spares_ready=len(ready_names - member_names),
@@ -251,6 +269,11 @@ def _wind_down(
     )
 
 
+def is_recovery(plan: MeshPlan) -> bool:
+    """Plans made because pods were lost count as recoveries (and against spec.maxRecoveries)."""
+    return plan.reason in (PlanReason.REPLACE, PlanReason.SHRINK)
+
+
 def phase_of(plan: MeshPlan | None, acknowledged: bool, waiting: bool, has_pods: bool) -> tuple[JobPhase, str]:
     """Phase of a running job and the reason of its state condition.
 
@@ -270,4 +293,6 @@ def phase_of(plan: MeshPlan | None, acknowledged: bool, waiting: bool, has_pods:
         return JobPhase.STARTING, Reason.PUSHING_PLAN
     if plan.reason is PlanReason.GROW:
         return JobPhase.RECOVERING, Reason.GROWING
+    if plan.reason is PlanReason.RESIZE:
+        return JobPhase.RECOVERING, Reason.RESIZING
     return JobPhase.RECOVERING, Reason.RECOVERING

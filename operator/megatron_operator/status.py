@@ -30,6 +30,7 @@ class Reason:
     PLAN_ACKNOWLEDGED = "PlanAcknowledged"
     RECOVERING = "ReplacingFailedPods"
     GROWING = "GrowingMesh"
+    RESIZING = "ResizingMesh"
     BELOW_MIN_REPLICAS = "BelowMinReplicas"
     MESH_SHRUNK = "MeshShrunk"
     FULL_MESH = "FullMesh"
@@ -45,6 +46,7 @@ class Reason:
     PLAN_PUSHED = "PlanPushed"
     PLAN_PUSH_FAILED = "PlanPushFailed"
     POD_CREATED = "PodsCreated"
+    PODS_RETIRED = "SurplusPodsDeleted"
     SPARE_PROMOTED = "SparePromoted"
 
 

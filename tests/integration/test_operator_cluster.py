@@ -13,6 +13,8 @@ Scenarios:
   stopped) and a peer accused by a survivor are replaced;
 - more failures than spares: the job shrinks by whole replicas, then grows back when pods return;
   below minReplicas it waits Degraded;
+- lowering spec.replicas resizes the mesh and deletes the surplus pods (no failure, no recovery);
+  raising it again creates pods and grows the mesh;
 - after maxRecoveries the job fails with a clear reason and releases its pods; agents reporting
   success end the job Succeeded; deleting the job deletes its children;
 - bad jobs are rejected by the API server with the rule's message.
@@ -263,3 +265,34 @@ def test_bad_jobs_are_rejected(local_cluster: Any, namespace: str, spec: dict[st
     status, answer = api.create_job(body)
     assert status == 422, answer
     assert message in answer["message"], answer["message"]
+
+
+def test_lowering_then_raising_replicas_resizes_without_a_recovery(h: Harness) -> None:
+    h.add_nodes(1)
+    h.start_operator()
+    h.submit(replicas=3, spares=1, min_replicas=1)
+    status = h.wait_running(1)
+    path = f"/apis/{wire.GROUP}/{wire.VERSION}/namespaces/{h.api.ns}/{wire.PLURAL}/{JOB}"
+
+    def set_replicas(n: int) -> None:
+        code, body = h.cluster.request("PATCH", path, {"spec": {"replicas": n}},
+                                       content_type="application/merge-patch+json")
+        assert code == 200, body
+
+    set_replicas(1)
+    status = h.wait_running(2)
+    assert status["plan"]["reason"] == "resize" and status["plan"]["sizes"]["dp"] == 1
+    assert status["plan"]["batch"]["globalBatchSize"] == 16
+    assert status["recoveries"] == 0 and not status.get("lastFailure")
+    # One worker pod and one spare remain; the surplus is deleted as such, not as a failure.
+    wait_for(lambda: len(h.pod_names()) == 2, T, "the surplus pods to go")
+    reasons = {e["reason"] for e in h.api.events()}
+    assert "SurplusPodsDeleted" in reasons and "PodDeleted" not in reasons
+    assert 2 in h.agents.plans_for(h.members(status)[0])
+
+    set_replicas(3)
+    # The mesh grows as pods become ready: at once onto the kept spare, then onto new pods.
+    status = h.wait_status(lambda s: s.get("phase") == "Running" and s["plan"]["sizes"]["dp"] == 3, "dp back at 3")
+    assert status["plan"]["reason"] == "grow"
+    assert status["recoveries"] == 0
+    wait_for(lambda: len(h.pod_names()) == 4, T, "the spare pool to be full again")

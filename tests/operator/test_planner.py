@@ -7,13 +7,14 @@ Scenarios:
 - with spares exhausted the mesh shrinks by whole replicas and healthy pods of a dropped replica
   go back to the pool (and may repair another replica); never below minReplicas (WAIT);
 - grow back to ``replicas`` when pods return; nothing changes when nothing happened;
+- spec.replicas lowered with every pod healthy: whole replicas leave (resize, not a loss);
 - a recreated pod with the same name but another UID is not taken for the old one;
 - when no replica holds a shard any more, every rank reloads the checkpoint (or starts over).
-- property (hypothesis): for any valid spec and any sequence of failures and arrivals, every plan
-  is a valid mesh (ranks unique and dense, TP groups inside a pod, world = tp*pp*cp*dp), epochs
-  strictly increase, the global batch never changes, dp stays in [minReplicas, replicas] and is
-  as large as the healthy pods allow, failed pods never train, no healthy pod is lost, and every
-  rank's state source really holds that state.
+- property (hypothesis): for any valid spec and any sequence of failures, arrivals and changes of
+  spec.replicas, every plan is a valid mesh (ranks unique and dense, TP groups inside a pod,
+  world = tp*pp*cp*dp), epochs strictly increase, the global batch never changes, dp stays in
+  [minReplicas, replicas] and is as large as the healthy pods allow, failed pods never train, no
+  healthy pod is lost, and every rank's state source really holds that state.
 """
 
 from __future__ import annotations
@@ -142,6 +143,24 @@ def test_nothing_happened_keeps_the_plan() -> None:
     assert decision.outcome is Outcome.UNCHANGED and decision.plan is plan
 
 
+def test_lowering_replicas_resizes_the_mesh_keeping_every_state() -> None:
+    spec = make_spec(replicas=4, min_replicas=1, spares=1, tp=2, gpus_per_pod=2)
+    pods = make_pod_refs(5)
+    plan = _initial(spec, pods[:4])
+    smaller = spec.model_copy(update={"replicas": 2})
+    decision = plan_mesh(smaller, JOB_UID, pods[:4], [pods[4]], [], plan, resume_step=30)
+    new = decision.plan
+    assert decision.outcome is Outcome.NEW_PLAN and new is not None
+    assert new.reason is PlanReason.RESIZE and new.sizes.dp == 2 and decision.lost == ()
+    assert {m.pod for m in new.members} == {"p0", "p1"} and decision.released == ("p2", "p3")
+    assert all(s.kind is StateSourceKind.SELF for s in new.state_sources) and new.resume_step == 30
+    assert new.batch.global_batch_size == spec.training.global_batch_size
+    assert "spec.replicas is 2" in decision.message
+    # Raising it again grows back onto the released pods.
+    grown = plan_mesh(spec, JOB_UID, _refs(new), [pods[2], pods[3], pods[4]], [], new)
+    assert grown.plan is not None and grown.plan.reason is PlanReason.GROW and grown.plan.sizes.dp == 4
+
+
 def test_recreated_pod_with_same_name_is_not_the_member() -> None:
     spec = make_spec(replicas=2, min_replicas=1, spares=0)
     pods = make_pod_refs(2)
@@ -187,6 +206,7 @@ events = st.lists(
         st.tuples(st.just("fail"), st.integers(0, 1000), st.integers(1, 3)),
         st.tuples(st.just("fail-spare"), st.integers(0, 1000), st.just(1)),
         st.tuples(st.just("arrive"), st.integers(0, 0), st.integers(1, 4)),
+        st.tuples(st.just("resize"), st.integers(0, 1000), st.just(0)),
     ),
     max_size=12,
 )
@@ -203,6 +223,7 @@ def test_every_plan_is_a_valid_mesh_for_any_failures_and_arrivals(
     plan = _initial(spec, list(healthy.values())[: spec.worker_pods])
     failed: set[str] = set()
     completed = 0
+    most_units = shape.units_for(spec.replicas)
     for (kind, pick, count), advance in zip(history, steps, strict=False):
         members = [m.pod for m in plan.members] if plan else []
         spares = [n for n in healthy if n not in members]
@@ -215,6 +236,10 @@ def test_every_plan_is_a_valid_mesh_for_any_failures_and_arrivals(
             victim = spares[pick % len(spares)]
             healthy.pop(victim)
             failed.add(victim)
+        elif kind == "resize":  # the user edits spec.replicas (within minReplicas..the original)
+            fewest = shape.units_for(spec.min_replicas)
+            units = fewest + pick % (most_units - fewest + 1)
+            spec = spec.model_copy(update={"replicas": units * shape.replicas_per_unit})
         elif kind == "arrive":
             for ref in make_pod_refs(count, start=serial):
                 healthy[ref.name] = ref
@@ -267,6 +292,8 @@ def _check_transition(spec: MegatronJobSpec, shape: UnitShape, old: MeshPlan, ne
         elif source.kind is StateSourceKind.PEER:
             assert source.peer_rank is not None
             assert (pod_of[source.peer_rank], key) in held
+    if new.reason is PlanReason.RESIZE:  # nobody lost: every rank keeps what it holds
+        assert kinds == {StateSourceKind.SELF} and sizes.dp < old.sizes.dp
     if kinds <= {StateSourceKind.SELF, StateSourceKind.PEER}:
         assert new.resume_step >= old.resume_step
     else:

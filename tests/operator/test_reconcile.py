@@ -3,8 +3,10 @@
 Scenarios: a new job gets its worker pods and spares created; the first plan waits for every
 worker to run; a deleted member, a silent agent, an accused peer and a self-reported failure are
 failures, once each; failed pods are deleted (without grace when their node or agent is gone);
-a consumed spare is replaced and pods on their way are not created twice; maxRecoveries ends the
-job; members that succeeded end it Succeeded and release the spares; phases of a running job.
+a consumed spare is replaced and pods on their way are not created twice; lowering spec.replicas
+resizes the mesh, deletes the surplus pods (no failure, no recovery) and their going is not a
+failure afterwards; maxRecoveries ends the job; members that succeeded end it Succeeded and
+release the spares; phases of a running job.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from megatron_contract.mesh import PlanReason
 from megatron_operator.failures import Failure, FailureReason, PodFacts
 from megatron_operator.heartbeats import Accusation
 from megatron_operator.planner import Outcome
-from megatron_operator.reconcile import AgentSignals, assess, phase_of
+from megatron_operator.reconcile import AgentSignals, assess, is_recovery, phase_of
 from megatron_operator.status import Reason
 
 SPEC = make_spec(replicas=2, spares=1, min_replicas=1, max_recoveries=5)
@@ -124,3 +126,23 @@ def test_known_failures_are_not_reported_twice() -> None:
     known = {"job-2": Failure("job-2", FailureReason.HEARTBEAT_MISSING, "x")}
     a = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(silent=["job-2"]), known)
     assert a.failures == () and ("job-2", True) in a.delete
+
+
+def test_lowering_replicas_resizes_and_deletes_the_surplus() -> None:
+    status, pods = _running_job()
+    smaller = SPEC.model_copy(update={"replicas": 1})
+    a = assess(smaller, JOB_UID, status, pods, NODES, AgentSignals(), {})
+    assert a.plan is not None and a.plan.reason is PlanReason.RESIZE and a.plan.sizes.dp == 1
+    assert not is_recovery(a.plan) and a.failures == () and a.delete == ()
+    assert (a.create_workers, a.create_spares) == (0, 0)
+    # 3 pods alive, 2 wanted (1 worker pod + 1 spare): one pod outside the new mesh goes.
+    members = {m.pod for m in a.plan.members}
+    assert len(a.retire) == 1 and a.retire[0] not in members
+    # Next pass: the retired pod is being deleted; that is neither a failure nor a reason to create.
+    resized = MegatronJobStatus(phase=JobPhase.RUNNING, plan=a.plan, epoch=2)
+    going = [PodFacts.of(make_pod(p.name, role=p.role, index=p.serial, ip=p.ip, deleting=True))
+             if p.name in a.retire else p for p in pods]
+    b = assess(smaller, JOB_UID, resized, going, NODES, AgentSignals(silent=list(a.retire)), {}, retired=a.retire)
+    assert b.failures == () and b.delete == () and b.retire == ()
+    assert (b.create_workers, b.create_spares) == (0, 0)
+    assert b.decision is not None and b.decision.outcome is Outcome.UNCHANGED
