@@ -58,4 +58,7 @@ class AgentReport(WireModel):
     tokens_per_second: float | None = Field(default=None, ge=0)
     workers: list[WorkerState] = Field(default_factory=list, max_length=64)
     failed_peers: list[PeerFailure] = Field(default_factory=list, max_length=64)
+    checkpoint_step: int | None = Field(
+        default=None, ge=0, description="Step of the newest complete distributed checkpoint this pod's workers saved."
+    )
     sent_at: datetime | None = None

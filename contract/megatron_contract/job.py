@@ -325,6 +325,11 @@ class MegatronJobStatus(WireModel):
     )
     last_failure: FailureRecord | None = None
     step: int | None = Field(default=None, ge=0, description="Steps completed, as reported by the trainers.")
+    checkpoint_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Newest complete distributed checkpoint: the fallback when no peer holds a shard.",
+    )
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

@@ -189,7 +189,7 @@ class JobController:
             all_succeeded=self.book.succeeded(self.job.uid, members),
         )
         a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected,
-                   retired=self.retired)
+                   checkpoint_step=self._checkpoint_step(), retired=self.retired)
         assessed = time.monotonic()
         now = _now()
         for failure in a.failures:
@@ -296,6 +296,11 @@ class JobController:
             return max(0.0, time.monotonic() - self.detected_at)
         last = self.status.last_failure
         return max(0.0, (now - last.time).total_seconds()) if last is not None else 0.0
+
+    def _checkpoint_step(self) -> int | None:
+        """Newest complete checkpoint: from the agents, or from status after an operator restart."""
+        steps = (self.book.checkpoint_step(self.job.uid), self.status.checkpoint_step)
+        return max((s for s in steps if s is not None), default=None)
 
     def _ack_from_heartbeats(self, plan: MeshPlan) -> None:
         epochs = self.book.epochs(self.job.uid)
@@ -404,6 +409,7 @@ class JobController:
             last_recovery_duration=duration if duration is not None else self.status.last_recovery_duration_seconds,
             last_failure=last_failure,
             step=step,
+            checkpoint_step=self._checkpoint_step(),
             generation=generation,
         )
         new = compute_status(self.status, obs, now)

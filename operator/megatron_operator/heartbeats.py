@@ -75,6 +75,11 @@ class HeartbeatBook:
         steps = [seen[p].report.step for p in pods if p in seen and seen[p].report.step is not None]
         return min(s for s in steps if s is not None) if steps else None
 
+    def checkpoint_step(self, job_uid: str) -> int | None:
+        """The newest complete checkpoint any agent of the job reported (a checkpoint is global)."""
+        steps = [hb.report.checkpoint_step for hb in self._last.get(job_uid, {}).values()]
+        return max((s for s in steps if s is not None), default=None)
+
     def epochs(self, job_uid: str) -> dict[str, int]:
         """The plan epoch each reporting pod holds."""
         return {pod: hb.report.epoch for pod, hb in self._last.get(job_uid, {}).items()}

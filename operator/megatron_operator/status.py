@@ -79,6 +79,7 @@ class Observation:
     last_recovery_duration: float | None = None
     last_failure: FailureRecord | None = None
     step: int | None = None
+    checkpoint_step: int | None = None
     generation: int | None = None
 
 
@@ -192,6 +193,9 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
         last_recovery_duration_seconds=obs.last_recovery_duration,
         last_failure=obs.last_failure,
         step=obs.step if obs.step is not None else old.step,
+        checkpoint_step=max(
+            (s for s in (obs.checkpoint_step, old.checkpoint_step) if s is not None), default=None
+        ),
         start_time=old.start_time or (now if obs.plan is not None else None),
         completion_time=old.completion_time or (now if terminal else None),
     )

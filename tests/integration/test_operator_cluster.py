@@ -15,6 +15,7 @@ Scenarios:
   below minReplicas it waits Degraded;
 - lowering spec.replicas resizes the mesh and deletes the surplus pods (no failure, no recovery);
   raising it again creates pods and grows the mesh;
+- the only replica lost: the plan restores every rank from the newest checkpoint the agents reported;
 - after maxRecoveries the job fails with a clear reason and releases its pods; agents reporting
   success end the job Succeeded; deleting the job deletes its children;
 - bad jobs are rejected by the API server with the rule's message.
@@ -228,6 +229,23 @@ def test_max_recoveries_fails_the_job_and_releases_pods(h: Harness) -> None:
     assert conds["Failed"]["status"] == "True" and conds["Failed"]["reason"] == "MaxRecoveriesExceeded"
     assert conds["Ready"]["status"] == "False"
     wait_for(lambda: not h.pod_names(), T, "pods released")
+
+
+def test_a_lost_only_replica_restores_from_the_reported_checkpoint(h: Harness) -> None:
+    status = _start(h, replicas=1, spares=1, min_replicas=1, checkpoint={"path": "/ckpt", "intervalSteps": 20})
+    uid = h.api.job(JOB)["metadata"]["uid"]
+    token = h.token()
+    assert token
+    (member,) = h.members(status)
+    code, _ = h.agents.report(h.operators[0].url, token, uid, member, 1, step=47, checkpoint_step=40)
+    assert code == 200
+    status = h.wait_status(lambda s: s.get("checkpointStep") == 40, "status.checkpointStep 40")
+    h.api.delete_pod(member)
+    status = h.wait_running(2)
+    plan = status["plan"]
+    # No data-parallel peer holds the state: everyone loads the checkpoint and resumes from it.
+    assert plan["reason"] == "replace" and plan["resumeStep"] == 40
+    assert {(s["kind"], s.get("checkpointStep")) for s in plan["stateSources"]} == {("checkpoint", 40)}
 
 
 def test_agents_reporting_success_end_the_job(h: Harness) -> None:

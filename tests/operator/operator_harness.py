@@ -200,11 +200,13 @@ class RecordingAgents:
 
     def report(self, operator_url: str, token: str, job_uid: str, pod: str, epoch: int, *, state: str = "training",
                step: int | None = None, failed_peers: list[dict[str, Any]] | None = None,
-               healthy: bool = True) -> tuple[int, Any]:
+               healthy: bool = True, checkpoint_step: int | None = None) -> tuple[int, Any]:
         """Send one heartbeat to the operator as the pod's agent would."""
         report = {"jobUid": job_uid, "pod": pod, "epoch": epoch, "state": state, "healthy": healthy}
         if step is not None:
             report["step"] = step
+        if checkpoint_step is not None:
+            report["checkpointStep"] = checkpoint_step
         if failed_peers:
             report["failedPeers"] = failed_peers
 

@@ -74,6 +74,10 @@ def test_book_reads_accusations_steps_and_success() -> None:
     assert book.self_reported_failed("j", ["a", "b"]) == ["b"]
     assert book.completed_step("j", ["a", "b"]) == 7
     assert book.epochs("j") == {"a": 1, "b": 1}
+    assert book.checkpoint_step("j") is None
+    book.record(_report("b", step=8, checkpointStep=5), 0)
+    book.record(_report("a", step=9, checkpointStep=0), 0)
+    assert book.checkpoint_step("j") == 5  # a checkpoint is global: the newest any agent reported
     assert not book.succeeded("j", ["a", "b"])
     book.record(_report("a", state="succeeded"), 1)
     book.record(_report("b", state="succeeded"), 1)

@@ -25,6 +25,7 @@ from megatron_contract.job import MegatronJobSpec
 from megatron_trainer.channel import (
     Assign,
     Channel,
+    CheckpointSaved,
     CollectiveFailed,
     Hello,
     PhaseTimes,
@@ -89,6 +90,8 @@ def main() -> int:
                     tokens_per_second=spec.training.global_batch_size * spec.model.seq_length / step_seconds,
                 )
             )
+            if spec.checkpoint is not None and step % spec.checkpoint.interval_steps == 0:
+                channel.send(CheckpointSaved(epoch=plan.epoch, step=step))
             if step == exit_at:
                 return 3
             if step == fail_at:

@@ -7,7 +7,8 @@ Scenarios:
 - a worker's CollectiveFailed reaches the operator at once as a failed peer naming the peer's
   rank and pod (resolved from the plan), and stops being sent once acknowledged;
 - the epoch in the operator's answer is recorded (an agent that missed a push shows it);
-- the next plan resumes training from its resume step.
+- the next plan resumes training from its resume step;
+- a worker's completed checkpoint is reported (the operator's fallback when no peer holds a shard).
 """
 
 from __future__ import annotations
@@ -94,3 +95,15 @@ def test_heartbeats_carry_epoch_step_and_failed_peers(operator: RecordingOperato
         assert operator.refused == 0
         # The replace plan's reconfiguration counts as a recovery; the initial one does not.
         assert "megatron_agent_recoveries_total 1.0" in agent.metrics()
+
+
+def test_heartbeats_carry_the_newest_complete_checkpoint(operator: RecordingOperator, tmp_path: Path) -> None:
+    spec = make_spec(replicas=2, heartbeat_interval=0.2, checkpoint={"path": str(tmp_path / "ck"), "intervalSteps": 5})
+    agent = AgentProcess("pod-a", spec, tmp_path, operator_url=operator.url)
+    with running_agents([agent]):
+        operator.wait_report("pod-a", lambda r: r.state is AgentState.SPARE, 30, "state spare")
+        assert agent.post_plan(make_plan(spec, [agent.pod, OTHER], epoch=1))[0] == 200
+        report = operator.wait_report("pod-a", lambda r: (r.checkpoint_step or 0) >= 10, 30, "checkpoint of step 10")
+        assert report.checkpoint_step is not None and report.checkpoint_step % 5 == 0
+        early = [r.checkpoint_step for r in operator.reports_from("pod-a") if r.step is not None and r.step < 5]
+        assert all(c is None for c in early)  # nothing is reported before the first save

@@ -9,7 +9,9 @@ The test process plays agent and operator (see ``worker_harness``). Scenarios:
 - SIGSTOP of one worker (a hang) with a spare: the survivors detect it by the collective timeout
   and report it, the harness (as supervisor) kills the stopped pod, recovery as above, same loss;
 - SIGKILL with no spare: the data-parallel degree shrinks to 1 with the global batch unchanged,
-  then a returning pod grows it back to 2; every sample of every step is consumed exactly once.
+  then a returning pod grows it back to 2; every sample of every step is consumed exactly once;
+- SIGKILL of the only replica (no DP peer holds its state): the spare loads the newest complete
+  distributed checkpoint, redoes the steps after it, and every loss equals the failure-free run.
 
 Each worker is a full process that is never restarted: survivors reconfigure in place.
 """
@@ -23,9 +25,11 @@ from pathlib import Path
 import pytest
 from worker_harness import WorkerCluster, make_spec, peer_sources, wait_for
 
-from megatron_contract.mesh import PlanReason
-from megatron_trainer.channel import CollectiveFailed, PhaseTimes, WorkerStatus
+from megatron_contract.job import CheckpointSpec
+from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
+from megatron_trainer.channel import CollectiveFailed, PhaseTimes, Progress, WorkerStatus
 from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan
+from megatron_trainer.worker.checkpoint import newest_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -199,3 +203,49 @@ def test_shrink_without_spare_then_grow_counts_every_sample_once(
     assert {len(r["samples"]) for r in records if r["epoch"] == 3} == {G // 2}
     losses = cluster.losses(["b", "c"])
     assert sorted(losses) == list(range(1, iters + 1))
+
+
+def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
+    tmp_path: Path, make_cluster: list[WorkerCluster]
+) -> None:
+    iters, fault_step, interval = 8, 5, 2  # checkpoints after steps 2 and 4; the fault hits step 5
+    spec = make_spec(spares=1, replicas=1, min_replicas=1, train_iters=iters)
+    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(path=str(tmp_path / "ckpt"), interval_steps=interval)})
+
+    reference = WorkerCluster(spec.model_copy(update={"checkpoint": None}), tmp_path / "reference")
+    make_cluster.append(reference)
+    reference.start_pod("r")
+    reference.wait_ready(["r"])
+    reference.assign(reference.plan(["r"]))
+    reference.wait_succeeded(["r"])
+    expected = reference.losses(["r"])
+
+    env = {
+        ENV_FAULTS: FaultPlan().fail_at(rank=FAULT_RANK, step=fault_step, fault=Fault.SIGKILL).to_env(),
+        ENV_FAULT_LOG: str(tmp_path / "faults.jsonl"),
+    }
+    cluster = WorkerCluster(spec, tmp_path / "faulty", env)
+    make_cluster.append(cluster)
+    cluster.start_pod("a")
+    cluster.start_pod("s")
+    cluster.wait_ready(["a", "s"])
+    cluster.assign(cluster.plan(["a"]), ["a"])
+    victim = cluster.pods["a"][FAULT_RANK]
+    assert victim.eof.wait(180), "the injected SIGKILL did not happen"
+    cluster.kill_pod("a")
+    assert max(w.last_step() for w in cluster.workers(["a"])) == fault_step
+    newest = newest_complete(tmp_path / "ckpt")
+    assert newest == 4, f"checkpoints: {sorted(p.name for p in (tmp_path / 'ckpt').iterdir())}"
+
+    # The operator's fallback: nobody holds the state, so every rank loads the newest checkpoint.
+    sources = {
+        r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=newest)
+        for r in range(spec.gpus_per_pod)
+    }
+    plan = cluster.plan(["s"], resume_step=newest, reason=PlanReason.REPLACE, sources=sources)
+    cluster.assign(plan, ["s"])
+    cluster.wait_succeeded(["s"])
+    # Steps after the checkpoint were done twice (by a, then by s): losses() requires both agree.
+    assert cluster.losses(["a", "s"]) == expected
+    redone = {p.step for w in cluster.workers(["s"]) for p in w.of_type(Progress)}
+    assert min(redone) == newest + 1 and max(redone) == iters

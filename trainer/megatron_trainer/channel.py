@@ -67,6 +67,14 @@ class Progress(WireModel):
     tokens_per_second: float
 
 
+class CheckpointSaved(WireModel):
+    """A distributed checkpoint of ``step`` is complete (its done marker written, every rank past it)."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    epoch: int
+    step: int
+
+
 class PhaseTimes(WireModel):
     """Durations of one reconfiguration, in seconds (detect, abort, rendezvous, restore, first_step)."""
 
@@ -85,7 +93,9 @@ class CollectiveFailed(WireModel):
 
 
 ToWorker = Annotated[Assign | Shutdown, Field(discriminator="type")]
-ToAgent = Annotated[Hello | WorkerStatus | Progress | PhaseTimes | CollectiveFailed, Field(discriminator="type")]
+ToAgent = Annotated[
+    Hello | WorkerStatus | Progress | CheckpointSaved | PhaseTimes | CollectiveFailed, Field(discriminator="type")
+]
 _TO_WORKER: TypeAdapter[ToWorker] = TypeAdapter(ToWorker)
 _TO_AGENT: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
 

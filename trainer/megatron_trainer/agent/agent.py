@@ -26,6 +26,7 @@ from megatron_trainer.agent.settings import AgentSettings
 from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor, worker_environment
 from megatron_trainer.channel import (
     Assign,
+    CheckpointSaved,
     CollectiveFailed,
     Hello,
     PhaseTimes,
@@ -68,6 +69,7 @@ class Agent:
         self.started_at = time.monotonic()
         # Failures of this pod's own workers or reported peers, until an acknowledged report carried them.
         self.pending_failures: list[PeerFailure] = []
+        self.checkpoint_step: int | None = None  # newest complete checkpoint a local worker saved
         # A worker that replaces a dead one must not join the epoch its predecessor broke.
         self._broken_epoch = 0
         self._restarts = 0
@@ -218,6 +220,11 @@ class Agent:
                 log.info("worker %d %s: %s", handle.local_rank, message.state, message.detail)
         elif isinstance(message, Progress):
             self._on_progress(handle, message)
+        elif isinstance(message, CheckpointSaved):
+            # Complete for the whole world once any rank reports it (save ends with a barrier).
+            if self.checkpoint_step is None or message.step > self.checkpoint_step:
+                self.checkpoint_step = message.step
+                log.info("checkpoint of step %d complete (epoch %d)", message.step, message.epoch)
         elif isinstance(message, PhaseTimes):
             self._on_phase_times(handle, message)
         elif isinstance(message, CollectiveFailed):
@@ -393,6 +400,7 @@ class Agent:
             ],
             # The same objects as pending_failures: acknowledgement clears exactly these.
             failed_peers=list(self.pending_failures),
+            checkpoint_step=self.checkpoint_step,
             sent_at=datetime.now(UTC),
         )
 

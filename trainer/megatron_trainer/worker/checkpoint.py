@@ -32,7 +32,9 @@ def newest_complete(root: str | Path) -> int | None:
 
 
 def _sharded_state_dict(ts: TrainState) -> dict[str, object]:
-    model_sd = ts.model.sharded_state_dict()
+    # The model inside DDP: DDP's own sharded_state_dict prefixes every key with "module.", which
+    # its load_state_dict (delegating to the inner module) then does not recognise.
+    model_sd = ts.model.module.sharded_state_dict()
     return {"model": model_sd, "optimizer": ts.optimizer.sharded_state_dict(model_sd)}
 
 
@@ -51,6 +53,7 @@ def save_checkpoint(ts: TrainState, root: str | Path) -> Path:
     dist.barrier()
     if dist.get_rank() == 0:
         (target / DONE_MARKER).write_text(str(ts.step))
+    dist.barrier()  # every rank returns only once the checkpoint is complete, so any may report it
     log.info("checkpoint of step %d saved to %s in %.2fs", ts.step, target, time.perf_counter() - start)
     return target
 

@@ -25,6 +25,7 @@ from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSourceKind
 from megatron_trainer.channel import (
     Assign,
     Channel,
+    CheckpointSaved,
     CollectiveFailed,
     Hello,
     PhaseTimes,
@@ -397,6 +398,7 @@ class Worker:
             ck = self.spec.checkpoint
             if ck is not None and ts.step % ck.interval_steps == 0:
                 checkpoint.save_checkpoint(ts, ck.path)
+                self.send(CheckpointSaved(epoch=plan.epoch, step=ts.step))
         self._move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
 
     def _on_step_failure(self, plan: MeshPlan, failure: str) -> None:
