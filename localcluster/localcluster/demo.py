@@ -112,7 +112,8 @@ def main() -> int:
             _step("Training continues in the same processes, and the spare pool is refilled")
             status = _watch(cluster, job_name, lambda s: s.get("phase") == "Succeeded", "the job to finish", 600)
             _kubectl(cluster, "get", "megatronjobs", "-o", "wide")
-            print(f"last recovery, failure to plan held by every member: {status.get('lastRecoveryDurationSeconds')} s")
+            took = status.get("lastRecoveryDurationSeconds")
+            print(f"last recovery, failure to plan held by every member: {took:.2f} s" if took is not None else "")
             _kubectl(
                 cluster,
                 "get",
