@@ -17,6 +17,7 @@ LABEL_REPLICA = f"{GROUP}/replica"  # data-parallel replica index of a worker po
 LABEL_POD_INDEX = f"{GROUP}/pod-index"  # position of a pod inside its replica
 ROLE_WORKER = "worker"
 ROLE_SPARE = "spare"
+ROLE_RETIRED = "retired"  # a surplus pod the operator is deleting: its going is no failure
 
 # The trainer agent's control endpoint (one per pod).
 AGENT_PORT = 29400

@@ -258,6 +258,10 @@ class JobController:
         await self._delete(a.delete)
         if a.retire:
             self.retired.update(a.retire)
+            # The label first: an operator restarted before the pods are gone still knows them.
+            await asyncio.gather(*(kube.patch_pod_labels(self.job.namespace, name,
+                                                         builders.role_labels(wire.ROLE_RETIRED, None))
+                                   for name in a.retire))
             await self._delete((name, False) for name in a.retire)
             events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
         created = await self._create(spec, a.create_workers, a.create_spares, pods)
@@ -368,7 +372,7 @@ class JobController:
         replica_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
         patches = []
         for p in pods:
-            if p.deleting or p.name in self.failed:
+            if p.deleting or p.name in self.failed or p.name in self.retired or p.role == wire.ROLE_RETIRED:
                 continue
             role = wire.ROLE_WORKER if p.name in replica_of else wire.ROLE_SPARE
             replica = str(replica_of[p.name]) if p.name in replica_of else None

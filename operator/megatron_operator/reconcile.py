@@ -134,8 +134,10 @@ def assess(
         known_failures: pods already declared failed (by name; names are never re-used).
         expected: pods created but not yet in the index (they count towards the pool).
         checkpoint_step: newest complete checkpoint, when known.
-        retired: pods this operator deleted as surplus; their going is no failure.
+        retired: pods this operator deleted as surplus (also known by their role label); their
+            going is no failure.
     """
+    retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
         pods = [p for p in pods if p.name not in retired]
         signals = dataclasses.replace(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from operator_factories import JOB_UID, make_pod, make_spec
 
+from megatron_contract import wire
 from megatron_contract.job import JobPhase, MegatronJobStatus
 from megatron_contract.mesh import PlanReason
 from megatron_operator.failures import Failure, FailureReason, PodFacts
@@ -146,3 +147,8 @@ def test_lowering_replicas_resizes_and_deletes_the_surplus() -> None:
     assert b.failures == () and b.delete == () and b.retire == ()
     assert (b.create_workers, b.create_spares) == (0, 0)
     assert b.decision is not None and b.decision.outcome is Outcome.UNCHANGED
+    # A restarted operator has no memory of it: the role label it set before deleting tells it.
+    labelled = [PodFacts.of(make_pod(p.name, role=wire.ROLE_RETIRED, index=p.serial, ip=p.ip, deleting=True))
+                if p.name in a.retire else p for p in pods]
+    c = assess(smaller, JOB_UID, resized, labelled, NODES, AgentSignals(), {})
+    assert c.failures == () and c.delete == () and (c.create_workers, c.create_spares) == (0, 0)
