@@ -183,7 +183,18 @@ class MeshPlan(WireModel):
     rendezvous: Rendezvous
     members: list[PlanMember] = Field(min_length=1)
     resume_step: int = Field(ge=0, description="The step training continues from (the first not yet done).")
-    state_sources: list[StateSource] = Field(min_length=1, description="One entry per rank.")
+    # Every rank has a source; only the ranks that differ from the default are listed, so a plan
+    # for 4096 pods x 8 GPUs stays far below etcd's object size limit (one entry per rank would
+    # not: ~1.7 MB).
+    default_source: StateSourceKind = Field(
+        default=StateSourceKind.SELF, description="Source of every rank not listed in stateSources (not peer)."
+    )
+    default_checkpoint_step: int | None = Field(
+        default=None, ge=0, description="For defaultSource=checkpoint: the checkpoint's step."
+    )
+    state_sources: list[StateSource] = Field(
+        default_factory=list, description="Ranks whose source differs from defaultSource, at most one entry each."
+    )
     created_at: datetime | None = None
 
     @model_validator(mode="after")
@@ -216,14 +227,20 @@ class MeshPlan(WireModel):
         return self
 
     def _check_state_sources(self) -> None:
-        by_rank = {s.rank: s for s in self.state_sources}
-        if len(by_rank) != len(self.state_sources) or sorted(by_rank) != list(range(self.sizes.world)):
-            raise MeshError("stateSources must name every rank exactly once")
+        if self.default_source is StateSourceKind.PEER:
+            raise MeshError("defaultSource cannot be peer: a peer source names its peer rank")
+        if self.default_source is StateSourceKind.CHECKPOINT and self.default_checkpoint_step is None:
+            raise MeshError("defaultSource checkpoint without defaultCheckpointStep")
+        listed = {s.rank for s in self.state_sources}
+        if len(listed) != len(self.state_sources):
+            raise MeshError("stateSources names a rank more than once")
+        if any(r >= self.sizes.world for r in listed):
+            raise MeshError(f"stateSources names a rank outside 0..{self.sizes.world - 1}")
         for src in self.state_sources:
             if src.kind is StateSourceKind.PEER:
-                if src.peer_rank is None or src.peer_rank not in by_rank:
+                if src.peer_rank is None or src.peer_rank >= self.sizes.world:
                     raise MeshError(f"rank {src.rank}: peer source without a valid peerRank")
-                peer = by_rank[src.peer_rank]
+                peer = self.source_of(src.peer_rank)
                 if peer.kind is not StateSourceKind.SELF:
                     raise MeshError(
                         f"rank {src.rank}: peer {src.peer_rank} does not hold its state (it is {peer.kind.value})"
@@ -241,8 +258,23 @@ class MeshPlan(WireModel):
         return next((m for m in self.members if m.pod == pod), None)
 
     def source_of(self, rank: int) -> StateSource:
-        """The state source of a rank."""
-        return next(s for s in self.state_sources if s.rank == rank)
+        """The state source of a rank: its entry in stateSources, else the default."""
+        listed = next((s for s in self.state_sources if s.rank == rank), None)
+        if listed is not None:
+            return listed
+        return StateSource(rank=rank, kind=self.default_source, checkpoint_step=self.default_checkpoint_step)
+
+    def sources(self) -> list[StateSource]:
+        """The state source of every rank, in rank order."""
+        listed = {s.rank: s for s in self.state_sources}
+        return [listed.get(r) or self.source_of(r) for r in range(self.sizes.world)]
+
+    def source_kinds(self) -> set[StateSourceKind]:
+        """The kinds of source some rank of this plan uses."""
+        kinds = {s.kind for s in self.state_sources}
+        if len({s.rank for s in self.state_sources}) < self.sizes.world:
+            kinds.add(self.default_source)
+        return kinds
 
     def pod_of_rank(self) -> dict[int, str]:
         """Map from global rank to pod name."""

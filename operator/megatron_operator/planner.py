@@ -225,7 +225,8 @@ def plan_mesh(
 
     new_units: list[list[PodRef]] = []
     # Kept units stay in their previous order, so dp ranks move as little as possible.
-    for unit in (u for u in previous_units if u in kept_intact or u in keep_damaged):
+    kept = {id(u) for u in kept_intact} | {id(u) for u in keep_damaged}
+    for unit in (u for u in previous_units if id(u) in kept):
         new_units.append([active[name] if name in survivors else fillers.pop() for name in unit])
     while len(new_units) < n_units:
         new_units.append([fillers.pop() for _ in range(shape.pods_per_unit)])
@@ -281,12 +282,11 @@ def _build(
                                       ranks=ranks))
 
     sources = _state_sources(sizes, members, mp_key_of, previous, checkpoint_step)
-    if previous is not None and any(s.kind is not StateSourceKind.SELF and s.kind is not StateSourceKind.PEER
-                                    for s in sources):
+    if previous is not None and sources.default is not StateSourceKind.SELF:
         # Some shard is held by nobody: everyone restarts from the checkpoint step (or from 0).
-        resume_step = sources[0].checkpoint_step or 0
+        resume_step = sources.checkpoint_step or 0
     members.sort(key=lambda m: m.ranks[0])
-    host = _rendezvous_host(members, sources)
+    host = _rendezvous_host(members, sources.keepers)
     return MeshPlan(
         job_uid=job_uid,
         epoch=epoch,
@@ -297,9 +297,21 @@ def _build(
         rendezvous=Rendezvous(host=host, port=RENDEZVOUS_PORT, store_prefix=Rendezvous.prefix_for(job_uid, epoch)),
         members=members,
         resume_step=resume_step,
-        state_sources=sources,
+        default_source=sources.default,
+        default_checkpoint_step=sources.checkpoint_step,
+        state_sources=sources.listed,
         created_at=now,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sources:
+    """Where every rank's state comes from, as the plan carries it: a default plus exceptions."""
+
+    default: StateSourceKind  # init, checkpoint, or self (survivors keep theirs)
+    checkpoint_step: int | None  # for a checkpoint default
+    listed: list[StateSource]  # ranks that differ from the default: newcomers taking a peer's state
+    keepers: frozenset[int]  # ranks that keep their own state
 
 
 def _state_sources(
@@ -308,9 +320,9 @@ def _state_sources(
     mp_key_of: dict[int, tuple[int, int, int]],
     previous: MeshPlan | None,
     checkpoint_step: int | None,
-) -> list[StateSource]:
+) -> _Sources:
     if previous is None:
-        return [StateSource(rank=r, kind=StateSourceKind.INIT) for r in range(sizes.world)]
+        return _Sources(StateSourceKind.INIT, None, [], frozenset())
     # What each previous member held: pod (by UID when known) -> model-parallel keys it held.
     held: dict[tuple[str, str | None], set[tuple[int, int, int]]] = {}
     for m in previous.members:
@@ -327,20 +339,15 @@ def _state_sources(
             holder.setdefault(mp_key_of[rank], rank)
     if any(mp_key_of[r] not in holder for r in keeps):
         if checkpoint_step is not None:
-            return [StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=checkpoint_step)
-                    for r in range(sizes.world)]
-        return [StateSource(rank=r, kind=StateSourceKind.INIT) for r in range(sizes.world)]
-    return [
-        StateSource(rank=r, kind=StateSourceKind.SELF)
-        if keeps[r]
-        else StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=holder[mp_key_of[r]])
-        for r in range(sizes.world)
-    ]
+            return _Sources(StateSourceKind.CHECKPOINT, checkpoint_step, [], frozenset())
+        return _Sources(StateSourceKind.INIT, None, [], frozenset())
+    listed = [StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=holder[mp_key_of[r]])
+              for r in sorted(keeps) if not keeps[r]]
+    return _Sources(StateSourceKind.SELF, None, listed, frozenset(r for r, kept in keeps.items() if kept))
 
 
-def _rendezvous_host(members: list[PlanMember], sources: list[StateSource]) -> str:
+def _rendezvous_host(members: list[PlanMember], keeps: frozenset[int]) -> str:
     """A surviving member's address (it already runs its store); the first member otherwise."""
-    keeps = {s.rank for s in sources if s.kind is StateSourceKind.SELF}
     for m in members:
         if any(r in keeps for r in m.ranks):
             return m.address

@@ -164,7 +164,10 @@ def test_valid_plan_parses_and_answers_queries() -> None:
             },
             "without checkpointStep",
         ),
-        ({"stateSources": [{"rank": 0, "kind": "self"}]}, "every rank exactly once"),
+        ({"stateSources": [{"rank": 0, "kind": "init"}, {"rank": 0, "kind": "self"}]}, "more than once"),
+        ({"stateSources": [{"rank": 4, "kind": "init"}]}, "outside 0..3"),
+        ({"stateSources": [], "defaultSource": "peer"}, "cannot be peer"),
+        ({"stateSources": [], "defaultSource": "checkpoint"}, "without defaultCheckpointStep"),
         ({"epoch": 0}, "greater than or equal to 1"),
         ({"extra": 1}, "Extra inputs are not permitted"),
     ],
@@ -173,3 +176,16 @@ def test_invalid_plans_are_refused(overrides: dict[str, object], message: str) -
     with pytest.raises(ValidationError) as info:
         MeshPlan.model_validate(make_plan(**overrides))
     assert message in str(info.value)
+
+
+def test_unlisted_ranks_take_the_default_source() -> None:
+    # Only the exceptions travel: a replace plan lists the newcomers, an init plan nothing.
+    plan = MeshPlan.model_validate(
+        make_plan(stateSources=[{"rank": 2, "kind": "peer", "peerRank": 0}, {"rank": 3, "kind": "peer", "peerRank": 1}])
+    )
+    assert [s.kind for s in plan.sources()] == [StateSourceKind.SELF] * 2 + [StateSourceKind.PEER] * 2
+    assert plan.source_of(3).peer_rank == 1 and plan.source_kinds() == {StateSourceKind.SELF, StateSourceKind.PEER}
+    restart = MeshPlan.model_validate(make_plan(stateSources=[], defaultSource="checkpoint", defaultCheckpointStep=40))
+    assert {(s.kind, s.checkpoint_step) for s in restart.sources()} == {(StateSourceKind.CHECKPOINT, 40)}
+    assert restart.source_kinds() == {StateSourceKind.CHECKPOINT}
+    assert "stateSources" not in {k for k, v in restart.to_wire().items() if v}

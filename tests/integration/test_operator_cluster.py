@@ -102,8 +102,10 @@ def test_killed_worker_is_replaced_by_spare_and_spare_pool_refilled(h: Harness) 
     assert new_ranks == victim_ranks
     for pod in h.members(status):
         assert 2 in h.agents.plans_for(pod), f"{pod} did not get epoch 2"
+    # Only the newcomers' sources travel (peers); every other rank keeps its own (the default).
     sources = {s["rank"]: s for s in plan["stateSources"]}
-    assert all(sources[r]["kind"] == "peer" for r in new_ranks)
+    assert set(sources) == set(new_ranks) and all(sources[r]["kind"] == "peer" for r in new_ranks)
+    assert plan.get("defaultSource", "self") == "self"
     assert status["recoveries"] == 1 and status["lastRecoveryDurationSeconds"] >= 0
     assert status["lastFailure"]["pod"] == victim
     # A new spare replaces the one consumed.
@@ -245,7 +247,7 @@ def test_a_lost_only_replica_restores_from_the_reported_checkpoint(h: Harness) -
     plan = status["plan"]
     # No data-parallel peer holds the state: everyone loads the checkpoint and resumes from it.
     assert plan["reason"] == "replace" and plan["resumeStep"] == 40
-    assert {(s["kind"], s.get("checkpointStep")) for s in plan["stateSources"]} == {("checkpoint", 40)}
+    assert (plan["defaultSource"], plan["defaultCheckpointStep"], plan["stateSources"]) == ("checkpoint", 40, [])
 
 
 def test_agents_reporting_success_end_the_job(h: Harness) -> None:

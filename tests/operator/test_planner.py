@@ -47,7 +47,7 @@ def test_initial_plan_gives_every_worker_ranks_and_init_state() -> None:
     assert plan.epoch == 1 and plan.reason is PlanReason.INITIAL
     assert (plan.sizes.world, plan.sizes.dp) == (16, 4)
     assert {m.pod for m in plan.members} == {f"p{i}" for i in range(8)}
-    assert all(s.kind is StateSourceKind.INIT for s in plan.state_sources)
+    assert all(s.kind is StateSourceKind.INIT for s in plan.sources())
     assert plan.rendezvous.store_prefix == f"{JOB_UID}/epoch-1"
     assert plan.resume_step == 0
 
@@ -111,7 +111,7 @@ def test_released_pod_repairs_another_replica() -> None:
     new = decision.plan
     assert new is not None and new.sizes.dp == 1 and new.reason is PlanReason.SHRINK
     assert {m.pod for m in new.members} == {p.name for p in alive}
-    assert all(s.kind in (StateSourceKind.SELF, StateSourceKind.PEER) for s in new.state_sources)
+    assert all(s.kind in (StateSourceKind.SELF, StateSourceKind.PEER) for s in new.sources())
 
 
 def test_never_below_min_replicas() -> None:
@@ -153,7 +153,7 @@ def test_lowering_replicas_resizes_the_mesh_keeping_every_state() -> None:
     assert decision.outcome is Outcome.NEW_PLAN and new is not None
     assert new.reason is PlanReason.RESIZE and new.sizes.dp == 2 and decision.lost == ()
     assert {m.pod for m in new.members} == {"p0", "p1"} and decision.released == ("p2", "p3")
-    assert all(s.kind is StateSourceKind.SELF for s in new.state_sources) and new.resume_step == 30
+    assert all(s.kind is StateSourceKind.SELF for s in new.sources()) and new.resume_step == 30
     assert new.batch.global_batch_size == spec.training.global_batch_size
     assert "spec.replicas is 2" in decision.message
     # Raising it again grows back onto the released pods.
@@ -179,7 +179,7 @@ def test_lost_shard_falls_back_to_checkpoint_or_init(checkpoint_step: int | None
     new = decision.plan
     assert new is not None
     kind = StateSourceKind.INIT if checkpoint_step is None else StateSourceKind.CHECKPOINT
-    assert all(s.kind is kind for s in new.state_sources)
+    assert all(s.kind is kind for s in new.sources())
     assert new.resume_step == (checkpoint_step or 0)
 
 
@@ -284,8 +284,8 @@ def _check_transition(spec: MegatronJobSpec, shape: UnitShape, old: MeshPlan, ne
     # State sources: self means the very pod held that shard before; peers hold theirs.
     held = {(m.pod, old.sizes.coords_of(r).model_parallel_key()) for m in old.members for r in m.ranks}
     pod_of = new.pod_of_rank()
-    kinds = {s.kind for s in new.state_sources}
-    for source in new.state_sources:
+    kinds = {s.kind for s in new.sources()}
+    for source in new.sources():
         key = sizes.coords_of(source.rank).model_parallel_key()
         if source.kind is StateSourceKind.SELF:
             assert (pod_of[source.rank], key) in held

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from worker_harness import make_plan, make_spec, peer_sources
 
 from megatron_contract import wire
-from megatron_contract.mesh import BatchGeometry, StateSourceKind
+from megatron_contract.mesh import BatchGeometry, MeshPlan
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
@@ -139,13 +139,8 @@ def test_a_fresh_or_checkpoint_start_must_hold_the_plans_step(epoch: int, held: 
     spec = make_spec()
     plan = make_plan(spec, epoch, ["a", "b"], 1, resume_step=10)
     if epoch == 2:  # a shard nobody holds: everyone loads the checkpoint of step 10
-        plan = plan.model_copy(
-            update={
-                "state_sources": [
-                    s.model_copy(update={"kind": StateSourceKind.CHECKPOINT, "checkpoint_step": 10})
-                    for s in plan.state_sources
-                ]
-            }
+        plan = MeshPlan.model_validate(
+            {**plan.to_wire(), "defaultSource": "checkpoint", "defaultCheckpointStep": 10, "stateSources": []}
         )
     else:
         plan = plan.model_copy(update={"resume_step": 0})

@@ -44,7 +44,7 @@ class IndexedTokens:
 
     def sample(self, index: int) -> torch.Tensor:
         """Tokens of one sample (int64, ``seq_length + 1`` long)."""
-        doc = torch.as_tensor(self.dataset[index % len(self.dataset)], dtype=torch.int64)
+        doc = torch.tensor(self.dataset[index % len(self.dataset)], dtype=torch.int64)  # a copy: the mmap is read-only
         if doc.numel() == 0:
             raise ValueError(f"document {index % len(self.dataset)} is empty")
         repeats = -(-(self.seq_length + 1) // doc.numel())

@@ -311,7 +311,7 @@ class Worker:
 
         t = time.perf_counter()
         moved = restore_from_peers(ts, plan, self.device)
-        if any(s.kind is StateSourceKind.CHECKPOINT for s in plan.state_sources):
+        if StateSourceKind.CHECKPOINT in plan.source_kinds():
             if self.spec.checkpoint is None:
                 raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
             step = plan.source_of(self.rank).checkpoint_step

@@ -62,7 +62,7 @@ def check_step(plan: MeshPlan, step: int) -> None:
     hold another step than the plan's estimate."""
     if step == plan.resume_step:
         return
-    if not all(s.kind in (StateSourceKind.SELF, StateSourceKind.PEER) for s in plan.state_sources):
+    if not plan.source_kinds() <= {StateSourceKind.SELF, StateSourceKind.PEER}:
         raise StateMismatch(f"epoch {plan.epoch}: state is at step {step}, the plan restores step {plan.resume_step}")
     log.warning(
         "epoch %d: survivors hold step %d, the plan estimated %d; resuming at %d",
