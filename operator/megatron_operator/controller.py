@@ -189,7 +189,8 @@ class JobController:
             all_succeeded=self.book.succeeded(self.job.uid, members),
         )
         a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected,
-                   checkpoint_step=self._checkpoint_step(), retired=self.retired)
+                   checkpoint_step=self._checkpoint_step(), retired=self.retired,
+                   start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds)
         assessed = time.monotonic()
         now = _now()
         for failure in a.failures:
@@ -300,6 +301,13 @@ class JobController:
             return max(0.0, time.monotonic() - self.detected_at)
         last = self.status.last_failure
         return max(0.0, (now - last.time).total_seconds()) if last is not None else 0.0
+
+    def _age_seconds(self) -> float:
+        """Seconds since the job was created (0 when the API server gave no timestamp)."""
+        created = self.body.get("metadata", {}).get("creationTimestamp")
+        if not created:
+            return 0.0
+        return max(0.0, (_now() - datetime.fromisoformat(created.replace("Z", "+00:00"))).total_seconds())
 
     def _checkpoint_step(self) -> int | None:
         """Newest complete checkpoint: from the agents, or from status after an operator restart."""

@@ -121,6 +121,7 @@ def assess(
     expected: Collection[str] = (),
     checkpoint_step: int | None = None,
     retired: Collection[str] = (),
+    start_small: bool = False,
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -136,6 +137,7 @@ def assess(
         checkpoint_step: newest complete checkpoint, when known.
         retired: pods this operator deleted as surplus (also known by their role label); their
             going is no failure.
+        start_small: the job waited long enough for its full mesh; start with the pods that run.
     """
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
@@ -169,8 +171,10 @@ def assess(
     decision: PlanDecision | None = None
     terminal: Terminal | None = None
     if plan is None:
-        # The first plan waits for the full mesh: starting small and growing at once costs a re-mesh.
-        if len(ready) >= spec.worker_pods:
+        # The first plan waits for the full mesh (starting small and growing at once costs a
+        # re-mesh), but not forever: after the wait it takes the pods that run, if enough for
+        # minReplicas, and grows as the rest arrive.
+        if len(ready) >= spec.worker_pods or (start_small and ready):
             workers = [ref[p.name] for p in ready if p.role == wire.ROLE_WORKER]
             spares = [ref[p.name] for p in ready if p.role != wire.ROLE_WORKER]
             decision = plan_mesh(spec, job_uid, workers, spares, failed, None)

@@ -23,6 +23,7 @@ ENV_IDENTITY = f"{ENV_PREFIX}IDENTITY"
 ENV_RESYNC_SECONDS = f"{ENV_PREFIX}RESYNC_SECONDS"
 ENV_PUSH_TIMEOUT = f"{ENV_PREFIX}PUSH_TIMEOUT_SECONDS"
 ENV_METRICS_PORT = f"{ENV_PREFIX}METRICS_PORT"
+ENV_FULL_MESH_WAIT = f"{ENV_PREFIX}FULL_MESH_WAIT_SECONDS"
 ENV_CRASH_AT = f"{ENV_PREFIX}CRASH_AT"
 ENV_KUBECONFIG = "KUBECONFIG"
 
@@ -47,6 +48,12 @@ class OperatorSettings(BaseSettings):
     resync_seconds: float = Field(default=5.0, gt=0, description="Longest time a job goes without a reconcile.")
     push_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one plan push to one agent.")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; off when unset.")
+    full_mesh_wait_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        description="How long a new job waits for all its worker pods; then it starts with the pods that run "
+        "(at least minReplicas) and grows as the rest arrive.",
+    )
     crash_at: str | None = Field(
         default=None,
         description="Fault injection for tests: SIGKILL the operator itself at this recovery point "

@@ -13,6 +13,8 @@ Scenarios:
   stopped) and a peer accused by a survivor are replaced;
 - more failures than spares: the job shrinks by whole replicas, then grows back when pods return;
   below minReplicas it waits Degraded;
+- a job whose pods cannot all run starts with those that do after the operator's full-mesh wait,
+  then grows when capacity arrives;
 - lowering spec.replicas resizes the mesh and deletes the surplus pods (no failure, no recovery);
   raising it again creates pods and grows the mesh;
 - the only replica lost: the plan restores every rank from the newest checkpoint the agents reported;
@@ -316,3 +318,17 @@ def test_lowering_then_raising_replicas_resizes_without_a_recovery(h: Harness) -
     assert status["plan"]["reason"] == "grow"
     assert status["recoveries"] == 0
     wait_for(lambda: len(h.pod_names()) == 4, T, "the spare pool to be full again")
+
+
+def test_a_job_that_cannot_get_all_its_pods_starts_smaller_after_the_wait_then_grows(h: Harness) -> None:
+    h.add_nodes(1)  # 8 GPUs: two of the three 4-GPU pods fit
+    h.start_operator(MEGATRON_OPERATOR_FULL_MESH_WAIT_SECONDS="3")
+    h.submit(replicas=3, spares=0, min_replicas=1, tp=4, gpus_per_pod=4)
+    status = h.wait_running(1)
+    assert status["plan"]["sizes"]["dp"] == 2 and status["plan"]["reason"] == "initial"
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Degraded"]["status"] == "True"
+    h.add_nodes(1)  # capacity arrives: the pending pod runs and the mesh grows
+    status = h.wait_running(2)
+    assert status["plan"]["reason"] == "grow" and status["plan"]["sizes"]["dp"] == 3
+    assert status["recoveries"] == 0

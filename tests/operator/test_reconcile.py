@@ -1,7 +1,8 @@
 """Desired versus actual (``megatron_operator.reconcile.assess``), pure.
 
 Scenarios: a new job gets its worker pods and spares created; the first plan waits for every
-worker to run; a deleted member, a silent agent, an accused peer and a self-reported failure are
+worker to run, or after the operator's full-mesh wait starts with those that run (never below
+minReplicas); a deleted member, a silent agent, an accused peer and a self-reported failure are
 failures, once each; failed pods are deleted (without grace when their node or agent is gone);
 a consumed spare is replaced and pods on their way are not created twice; lowering spec.replicas
 resizes the mesh, deletes the surplus pods (no failure, no recovery) and their going is not a
@@ -52,6 +53,20 @@ def test_first_plan_waits_for_every_worker() -> None:
     assert a.decision is None and a.create_spares == 1
     status, pods = _running_job()
     assert status.plan is not None and {m.pod for m in status.plan.members} == {"job-0", "job-1"}
+
+
+def test_after_the_full_mesh_wait_the_job_starts_with_the_pods_that_run() -> None:
+    spec = SPEC.model_copy(update={"spares": 0})
+    pods = [*_pods("job-0"), PodFacts.of(make_pod("job-1", phase="Pending", ip=None, index=1))]
+    waiting = assess(spec, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {})
+    assert waiting.decision is None
+    started = assess(spec, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {}, start_small=True)
+    assert started.plan is not None and started.plan.sizes.dp == 1
+    assert [m.pod for m in started.plan.members] == ["job-0"]
+    # Below minReplicas it still waits.
+    strict = spec.model_copy(update={"min_replicas": 2})
+    held = assess(strict, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {}, start_small=True)
+    assert held.plan is None and held.decision is not None and held.decision.outcome is Outcome.WAIT
 
 
 def test_deleted_member_is_replaced_by_the_spare_and_a_new_spare_is_made() -> None:
