@@ -153,6 +153,15 @@ def make_plan(
     )
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` no longer exists or is a zombie (nobody will run it again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
 def _bindable(address: str, port: int) -> bool:
     with socket.socket() as s:
         try:

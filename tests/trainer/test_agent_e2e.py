@@ -25,11 +25,10 @@ import importlib.util
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_harness import AgentProcess, RecordingOperator, make_plan, make_spec, running_agents, wait_for
+from agent_harness import AgentProcess, RecordingOperator, make_plan, make_spec, process_gone, running_agents, wait_for
 
 from megatron_contract.agent import AgentState
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
@@ -45,15 +44,6 @@ pytestmark = [
 READY_TIMEOUT = 240.0  # up to six workers import torch and megatron-core on 2 shared cores
 
 
-def process_gone(pid: int) -> bool:
-    """True once ``pid`` is gone or a zombie (its parent, the agent, was killed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ")[1].startswith("Z")
-    except FileNotFoundError:
-        return True
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     fault: signal.Signals
@@ -67,13 +57,6 @@ CASES = [
     # a step on 2 busy cores.
     Case(signal.SIGSTOP, tp=2, collective_timeout=8.0),
 ]
-
-
-@pytest.fixture
-def operator() -> Iterator[RecordingOperator]:
-    recorder = RecordingOperator()
-    yield recorder
-    recorder.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.fault.name}-tp{c.tp}")

@@ -13,10 +13,8 @@ Scenarios:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from agent_harness import (
     JOB_UID,
     AgentProcess,
@@ -34,13 +32,6 @@ from megatron_contract.mesh import PlanReason
 SPEC = make_spec(replicas=2, heartbeat_interval=0.2)
 OTHER = PodAddress("pod-b", "127.0.0.9")
 FAIL_AT_STEP = 20
-
-
-@pytest.fixture
-def operator() -> Iterator[RecordingOperator]:
-    recorder = RecordingOperator()
-    yield recorder
-    recorder.close()
 
 
 def test_heartbeats_carry_epoch_step_and_failed_peers(operator: RecordingOperator, tmp_path: Path) -> None:

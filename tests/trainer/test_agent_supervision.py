@@ -17,16 +17,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from agent_harness import (
     AgentProcess,
     PodAddress,
     RecordingOperator,
     make_plan,
     make_spec,
+    process_gone,
     running_agents,
     wait_for,
 )
@@ -35,22 +34,6 @@ from megatron_contract.agent import AgentState
 
 OTHER = PodAddress("pod-b", "127.0.0.9")
 HANG_TIMEOUT = 1.5
-
-
-@pytest.fixture
-def operator() -> Iterator[RecordingOperator]:
-    recorder = RecordingOperator()
-    yield recorder
-    recorder.close()
-
-
-def process_gone(pid: int) -> bool:
-    """True once ``pid`` no longer exists (or is a zombie nobody will run again)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ")[1].startswith("Z")
-    except FileNotFoundError:
-        return True
 
 
 def test_crashed_worker_is_reported_and_the_agent_exits(operator: RecordingOperator, tmp_path: Path) -> None:
