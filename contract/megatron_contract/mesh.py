@@ -260,21 +260,22 @@ class MeshPlan(WireModel):
     def source_of(self, rank: int) -> StateSource:
         """The state source of a rank: its entry in stateSources, else the default."""
         listed = next((s for s in self.state_sources if s.rank == rank), None)
-        if listed is not None:
-            return listed
-        return StateSource(rank=rank, kind=self.default_source, checkpoint_step=self.default_checkpoint_step)
+        return listed or self._default_source_of(rank)
 
     def sources(self) -> list[StateSource]:
         """The state source of every rank, in rank order."""
         listed = {s.rank: s for s in self.state_sources}
-        return [listed.get(r) or self.source_of(r) for r in range(self.sizes.world)]
+        return [listed.get(r) or self._default_source_of(r) for r in range(self.sizes.world)]
 
     def source_kinds(self) -> set[StateSourceKind]:
         """The kinds of source some rank of this plan uses."""
         kinds = {s.kind for s in self.state_sources}
-        if len({s.rank for s in self.state_sources}) < self.sizes.world:
+        if len(self.state_sources) < self.sizes.world:  # listed ranks are unique (validated)
             kinds.add(self.default_source)
         return kinds
+
+    def _default_source_of(self, rank: int) -> StateSource:
+        return StateSource(rank=rank, kind=self.default_source, checkpoint_step=self.default_checkpoint_step)
 
     def pod_of_rank(self) -> dict[int, str]:
         """Map from global rank to pod name."""
