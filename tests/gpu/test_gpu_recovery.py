@@ -1,7 +1,9 @@
 """The trainer's recovery scenarios on GPUs with NCCL, through the benchmark scripts at a small
 model size: SIGKILL of a training worker mid-step, the warm spare promoted with state broadcast
-from a DP peer (``trainer_recovery.py``), and the loss after that recovery against a failure-free
-run (``trainer_loss_parity.py``). Skipped where fewer than three CUDA devices exist (CI has none)."""
+from a DP peer (``trainer_recovery.py``), the loss after that recovery against a failure-free run
+(``trainer_loss_parity.py``), and a hung worker, a shrink and a growth on one job with exact sample
+accounting (``trainer_scenarios.py``, 4 devices). Skipped where too few CUDA devices exist (CI has
+none)."""
 
 from __future__ import annotations
 
@@ -58,3 +60,16 @@ def test_loss_after_a_gpu_recovery_stays_with_the_failure_free_run(tmp_path: Pat
     # runs differ from step 1), so this bounds the drift: a spare that resumed from wrong or
     # uninitialized state would be off by far more than a few percent.
     assert faulty["max_rel_diff_after_fault"] < 0.05, faulty
+
+
+@pytest.mark.skipif(GPUS < 4, reason=f"needs 4 CUDA devices (3 trainers and a spare); this machine has {GPUS}")
+def test_a_hung_worker_then_shrink_then_growth_on_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "scenarios.json"
+    run_script("trainer_scenarios.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [s["scenario"].split(":")[0] for s in result["scenarios"]] == [
+        "hang (SIGSTOP) replaced by the spare",
+        "kill without a spare",
+        "grow",
+    ]
+    assert result["checked_steps"] > 12  # every step's samples, exactly once (checked by the script)

@@ -3,7 +3,8 @@
 Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips
 through the environment, rejects malformed values and fires only at its (epoch, rank, step);
 mock samples are deterministic and the batch geometry hands every sample of a step to exactly one
-replica whatever the data-parallel size; settings name the missing variable.
+replica whatever the data-parallel size; settings name the missing variable; the restore's buckets
+keep every tensor once, by dtype, within the limit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_contract.mesh import BatchGeometry, MeshPlan
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
+from megatron_trainer.worker.peer_restore import buckets
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.verify import StateMismatch, check_step
 
@@ -166,3 +168,15 @@ def test_indexed_tokens_read_megatrons_indexed_dataset(tmp_path: Path) -> None:
     assert source.sample(2).tolist() == [42] * 8
     assert source.sample(4).tolist() == source.sample(1).tolist()  # index wraps over the corpus
     assert source.sample(1).dtype == torch.int64
+
+
+def test_restore_buckets_group_by_dtype_in_order_within_the_limit() -> None:
+    a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(300)  # float32: 16, 16, 1200 bytes
+    h1, h2 = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)
+    got = buckets([h1, a, b, h2, c], limit=40)
+    assert [[id(t) for t in run] for run in got] == [[id(h1), id(h2)], [id(a), id(b)], [id(c)]]
+    # Every tensor exactly once, whatever the limit.
+    tensors = [torch.zeros(n) for n in (1, 7, 3, 12, 5)]
+    for limit in (4, 20, 10_000):
+        flat = [t for run in buckets(tensors, limit=limit) for t in run]
+        assert [id(t) for t in flat] == [id(t) for t in tensors]

@@ -315,9 +315,13 @@ class WorkerCluster:
             wait_for(lambda w=w: "succeeded" in w.states() or self._failed(w), timeout, f"{w.name} to succeed")
 
     def _failed(self, w: WorkerProcess) -> bool:
+        self.raise_if_failed(w)
+        return self._dead(w)
+
+    def raise_if_failed(self, w: WorkerProcess) -> None:
+        """Raise with the worker's log when it reported the failed state."""
         if "failed" in w.states():
             raise AssertionError(f"worker {w.name} failed:\n{w.log_tail()}")
-        return self._dead(w)
 
     def losses(self, pods: Iterable[str]) -> dict[int, float]:
         """Loss of each completed step as the workers of ``pods`` reported it (they must agree)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,7 +48,12 @@ def param_dtype(spec: MegatronJobSpec, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: bool) -> TrainState:
+def build_train_state(
+    spec: MegatronJobSpec,
+    device: torch.device,
+    initialize: bool,
+    before_collectives: Callable[[], object] | None = None,
+) -> TrainState:
     """Build model, DDP and optimizer for the process groups in ``parallel_state`` now.
 
     Args:
@@ -55,6 +61,8 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
         device: the rank's device.
         initialize: draw initial weights from the job's seed (first epoch); otherwise leave them
             uninitialized because state will be adopted, received or loaded.
+        before_collectives: called after the model and DDP exist and before the optimizer's first
+            collective (waits for the epoch's communicators, see ``rendezvous.Connecting``).
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -112,6 +120,9 @@ def build_train_state(spec: MegatronJobSpec, device: torch.device, initialize: b
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), module
     )
     marks.append(("ddp", _synced(device)))
+    if before_collectives is not None:
+        before_collectives()
+        marks.append(("connect_wait", time.perf_counter()))
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     optimizer = get_megatron_optimizer(

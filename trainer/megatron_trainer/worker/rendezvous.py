@@ -15,6 +15,8 @@ its rank, and it holds no NCCL group until it is promoted.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -50,7 +52,10 @@ def join_epoch(plan: MeshPlan, rank: int, backend: str, collective_timeout_secon
         plan: the epoch's plan (sizes and rendezvous).
         rank: this worker's global rank in the plan.
         backend: ``nccl`` on GPU, ``gloo`` on CPU.
-        collective_timeout_seconds: the groups' timeout; a gloo collective stuck this long raises.
+        collective_timeout_seconds: on gloo the groups' timeout (a collective stuck this long
+            raises). On NCCL the worker's own watchdog acts at this limit, so torch's timeout is
+            set well past it: torch's watchdog reacting first starts its debug dump across ranks,
+            which left a rank that survived a hung peer stuck at its next teardown.
 
     Returns:
         The epoch's prefixed store, for small agreements that need no communicator.
@@ -60,14 +65,15 @@ def join_epoch(plan: MeshPlan, rank: int, backend: str, collective_timeout_secon
     rdzv = plan.rendezvous
     client = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, timeout=STORE_CONNECT_TIMEOUT)
     store = dist.PrefixStore(rdzv.store_prefix + "/", client)
-    timeout = timedelta(seconds=collective_timeout_seconds)
+    limit = collective_timeout_seconds
+    timeout = timedelta(seconds=limit if backend == "gloo" else max(2 * limit, limit + 60))
     dist.init_process_group(backend, store=store, rank=rank, world_size=plan.sizes.world, timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=plan.sizes.tp,
         pipeline_model_parallel_size=plan.sizes.pp,
         context_parallel_size=plan.sizes.cp,
         create_gloo_process_groups=False,
-        distributed_timeout_minutes=collective_timeout_seconds / 60.0,  # type: ignore[arg-type]
+        distributed_timeout_minutes=timeout.total_seconds() / 60.0,  # type: ignore[arg-type]
     )
     if parallel_state.get_data_parallel_world_size() != plan.sizes.dp:
         built = parallel_state.get_data_parallel_world_size()
@@ -84,6 +90,69 @@ def replica_group() -> dist.ProcessGroup:
     return parallel_state.get_data_parallel_group(
         with_context_parallel=parallel_state.get_context_parallel_world_size() == 1
     )
+
+
+def communicator_groups() -> list[dist.ProcessGroup]:
+    """The groups whose communicators a training rank uses every epoch, each once: the world
+    (Megatron's optimizer gathers its param-group keys over it), the replica group (gradients, loss,
+    state restore), the model-parallel group (grad norm) and the pipeline group (token count), plus
+    the tensor-, context-parallel and embedding groups where they hold more than this rank (size-1
+    TP/CP groups are skipped by Megatron's layers)."""
+    from megatron.core import parallel_state as ps
+
+    groups = [dist.group.WORLD, replica_group(), ps.get_model_parallel_group(), ps.get_pipeline_model_parallel_group()]
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        groups.append(ps.get_tensor_model_parallel_group())
+    if ps.get_context_parallel_world_size() > 1:
+        groups.append(ps.get_context_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):
+        groups.append(ps.get_embedding_group())
+    unique: dict[int, dist.ProcessGroup] = {}
+    for g in groups:
+        if g is not None:
+            unique.setdefault(id(g), g)
+    return list(unique.values())
+
+
+class Connecting:
+    """NCCL communicators of an epoch being created concurrently, one thread per group.
+
+    torch creates a group's communicator on its first collective, so an epoch would pay one init
+    after another (world in the optimizer build, replica group in the restore, two more in the
+    first step). Started right after the groups exist, the inits overlap each other and the model
+    build. :meth:`join` must return before any collective runs: a collective on a group whose init
+    is still in flight would start a second init of the same group.
+    """
+
+    def __init__(self, groups: list[dist.ProcessGroup], device: torch.device) -> None:
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._connect, args=(g, device), daemon=True, name="nccl-connect") for g in groups
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _connect(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        try:
+            group._get_backend(device).eager_connect_single_device(device)
+        except BaseException as err:  # re-raised on the main thread by join()
+            self._errors.append(err)
+
+    def join(self) -> float:
+        """Wait for every init; returns the seconds waited. Raises the first init's error."""
+        start = time.perf_counter()
+        for t in self._threads:
+            t.join()
+        if self._errors:
+            raise self._errors[0]
+        return time.perf_counter() - start
+
+
+def connect_communicators(device: torch.device) -> Connecting | None:
+    """Start creating this epoch's communicators (NCCL only; gloo connects when a group is made)."""
+    if device.type != "cuda":
+        return None
+    return Connecting(communicator_groups(), device)
 
 
 def device_for(local_rank: int) -> torch.device:

@@ -3,9 +3,16 @@ in place when a newer plan arrives or a collective fails. The process is never r
 
 Threads:
 - main: everything that touches torch.distributed and the model;
-- channel reader: receives plans; when a newer plan must interrupt training, it aborts the
-  epoch's communicators at once (NCCL) so the main thread's blocked collective returns;
+- channel reader: receives plans; when a newer plan must interrupt training, it marks the epoch
+  aborted, which the main thread notices while it waits for the step's collectives;
 - watchdog: aborts the epoch when one step runs past ``collectiveTimeoutSeconds`` (a hung peer).
+
+Who aborts the NCCL communicators: the main thread, once it has left the step (worker/abort.py
+explains why it does not wait for them). An abort holds each group's lock for its whole duration
+(~1 s), and a collective launched meanwhile would block on that lock, so aborting while the main
+thread still launches the step's collectives cost the survivors up to a second. Only if the main
+thread has not left the step after :data:`ABORT_GRACE_SECONDS` (blocked somewhere no flag reaches)
+does the interrupting thread abort the communicators itself, which frees any blocked call.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ from megatron_trainer.worker.verify import verify_state
 log = logging.getLogger("megatron_trainer.worker")
 
 
+ABORT_GRACE_SECONDS = 0.5
+
 _COLLECTIVE_ERROR_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "abort", "socket", "peer")
 
 
@@ -99,6 +108,9 @@ class Worker:
         self._detected_at: float | None = None  # monotonic time the current failure was noticed
         self._detected_wall: float | None = None
         self._step_started: float | None = None
+        self._out_of_step = threading.Event()  # set while the main thread runs no training step
+        self._out_of_step.set()
+        self._abort: abort.Abort | None = None  # the last epoch's communicator aborts
         self._completed = 0  # steps completed, readable by the reader thread
         self._send_lock = threading.Lock()
         self._phases: dict[str, float] = {}
@@ -139,7 +151,7 @@ class Worker:
                 with self._lock:
                     self._shutdown = True
                     self._plan_ready.notify_all()
-                self._interrupt("shutdown")
+                self._interrupt("shutdown", now=True)
                 threading.Timer(30.0, lambda: os._exit(0)).start()  # blocked in a collective: go anyway
                 continue
             assert isinstance(message, Assign)
@@ -159,7 +171,9 @@ class Worker:
         if urgent:
             self._interrupt(f"new plan epoch {plan.epoch}")
 
-    def _interrupt(self, reason: str) -> None:
+    def _interrupt(self, reason: str, now: bool = False) -> None:
+        """Mark the epoch aborted; abort its communicators here only if the main thread does not
+        leave its step within the grace (or at once when ``now``)."""
         with self._lock:
             if self._aborted.is_set():
                 return
@@ -167,10 +181,14 @@ class Worker:
             self._detected_at = time.monotonic()
             self._detected_wall = time.time()
             self._aborted.set()
-        if self.backend == "nccl" and self.epoch:
+            phases = self._phases  # this epoch's: the main thread may enter the next one meanwhile
+        if self.backend == "nccl" and self.epoch and (now or not self._out_of_step.wait(ABORT_GRACE_SECONDS)):
+            # Still in the step after the grace: blocked where the flag is not seen (a kernel launch
+            # behind a full queue, a host sync inside Megatron). Aborting frees it.
             took = abort.abort_communicators()
-            self._phases["abort_nccl"] = took
-            log.info("communicators aborted in %.3fs (%s)", took, reason)
+            phases["abort_nccl"] = took
+            thread = threading.current_thread().name
+            log.info("communicators aborted in %.3fs by the %s thread (%s)", took, thread, reason)
 
     # -- watchdog thread ---------------------------------------------------------------------------
 
@@ -242,8 +260,11 @@ class Worker:
             plan, self._pending = self._pending, None
             return plan
 
-    def _teardown(self) -> None:
-        """Leave the current epoch: keep the state tensors, drop everything holding a group."""
+    def _teardown(self, aborted: bool = False) -> None:
+        """Leave the current epoch: keep the state tensors, drop everything holding a group.
+
+        After an abort on NCCL the groups are forgotten, not destroyed: destroying would wait
+        ~1 s for the aborts to finish (worker/abort.py)."""
         if self.ts is None and self.epoch == 0:
             return
         start = time.perf_counter()
@@ -253,7 +274,11 @@ class Worker:
         t = time.perf_counter()
         gc.collect()  # frames of the failed step may still reference modules
         self._phases["abort_gc"] = time.perf_counter() - t
-        abort.release_process_groups()
+        if aborted and self.backend == "nccl":
+            self._abort = abort.start_abort()  # may already run (see _interrupt)
+            abort.forget_process_groups()
+        else:
+            abort.release_process_groups()
         self.epoch = 0
         self.store = None
         self._phases["abort"] = self._phases.get("abort", 0.0) + time.perf_counter() - start
@@ -272,7 +297,7 @@ class Worker:
             )
         begin = time.perf_counter()
         self._move(WorkerState.RECONFIGURING, f"entering epoch {plan.epoch}", epoch=plan.epoch)
-        self._teardown()
+        self._teardown(aborted=self._aborted.is_set())
         phases = self._phases
         self._phases = {}
         if self._detected_wall is not None:
@@ -291,11 +316,17 @@ class Worker:
         phases["rendezvous"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        connecting = rendezvous.connect_communicators(self.device)
         if source.kind is not StateSourceKind.SELF:
             # Free the warm (or stale) state first: the new build then reuses its blocks from
             # the caching allocator instead of paying for ~1000 fresh cudaMalloc calls.
             self.held = None
-        ts = build_train_state(self.spec, self.device, initialize=source.kind is StateSourceKind.INIT)
+        ts = build_train_state(
+            self.spec,
+            self.device,
+            initialize=source.kind is StateSourceKind.INIT,
+            before_collectives=connecting.join if connecting else None,
+        )
         if source.kind is StateSourceKind.SELF:
             if self.held is None:
                 raise RuntimeError(f"plan epoch {plan.epoch} says rank {self.rank} keeps its state, but it holds none")
@@ -305,12 +336,12 @@ class Worker:
             # loop, make every DP replica start from DP rank 0's weights.
             sync_initial_weights(ts)
         self.held = None
-        guard_commit(ts, self._aborted.is_set)
+        guard_commit(ts, self._aborted.is_set, self.device)
         phases["rebuild"] = time.perf_counter() - t
         phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
         t = time.perf_counter()
-        moved = restore_from_peers(ts, plan, self.device)
+        moved = restore_from_peers(ts, plan, self.device, phases)
         if StateSourceKind.CHECKPOINT in plan.source_kinds():
             if self.spec.checkpoint is None:
                 raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
@@ -353,7 +384,11 @@ class Worker:
                 nxt, shutdown = self._pending, self._shutdown
             if shutdown or (nxt is not None and nxt.resume_step <= ts.step):
                 return  # the main loop enters the next plan (or shuts down)
+            if self._aborted.is_set():  # by the watchdog between two steps
+                self._on_step_failure(plan, f"aborted: {self._abort_reason}")
+                return
             failure: str | None = None
+            self._out_of_step.clear()
             self._step_started = time.monotonic()
             try:
                 step_index = ts.step
@@ -364,6 +399,7 @@ class Worker:
                     dp_rank,
                     self.device,
                     lambda s=step_index: self.faults.maybe_fire(plan.epoch, self.rank, s),
+                    aborted=self._aborted.is_set,
                 )
             except InjectedFault:
                 raise
@@ -373,6 +409,7 @@ class Worker:
                 failure = f"{type(err).__name__}: {err}"
             finally:
                 self._step_started = None
+                self._out_of_step.set()
             if failure is not None:
                 self._on_step_failure(plan, failure)
                 return
@@ -380,6 +417,9 @@ class Worker:
                 self._completed = ts.step
             if first:
                 phases["first_step"] = result.seconds
+                if self._abort is not None and self._abort.finished is not None:
+                    phases["abort_nccl"] = self._abort.finished - self._abort.started
+                self._abort = None
                 self.send(PhaseTimes(epoch=plan.epoch, phases=phases))
                 log.info("epoch %d phases: %s", plan.epoch, {k: round(v, 4) for k, v in phases.items()})
                 first = False
@@ -410,8 +450,10 @@ class Worker:
                 self._detected_at, self._detected_wall = time.monotonic(), time.time()
                 self._abort_reason = failure
         self._aborted.set()  # late commits of this epoch must refuse
+        if self._detected_at is not None:
+            self._phases["step_exit"] = time.monotonic() - self._detected_at
         log.warning("epoch %d step %d discarded: %s", plan.epoch, self._completed, failure)
-        self._teardown()
+        self._teardown(aborted=True)
         if by_plan:
             return
         self.send(CollectiveFailed(epoch=plan.epoch, reason=failure[:1000]))

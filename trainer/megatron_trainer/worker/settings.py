@@ -7,8 +7,10 @@ directory; one rank per replica appends the sample indices of every committed st
 
 On GPU the worker defaults the NCCL variables in-process recovery needs (a variable already set
 wins): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the watchdog must not kill the process on an abort),
-``TORCH_NCCL_RETHROW_CUDA_ERRORS=0`` and ``NCCL_NVLS_ENABLE=0`` (NVLink SHARP off, as
-nvidia-resiliency-ext asks).
+``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``, ``NCCL_NVLS_ENABLE=0`` (NVLink SHARP off, as
+nvidia-resiliency-ext asks) and ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` (torch's flight-recorder dump on a
+collective timeout signals every rank through the store and gathers Python stacks; the worker
+handles timeouts itself, see worker/rendezvous.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
     "NCCL_NVLS_ENABLE": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
 
 

@@ -4,6 +4,10 @@ global loss, and Megatron's optimizer step, committed only if nothing aborted th
 A step is all-or-nothing for a rank: every collective of the step (TP, DP gradient all-reduce,
 loss all-reduce, grad-norm all-reduce) runs before the optimizer's local update, and the update is
 guarded by :class:`StepAborted`, so an aborted step leaves parameters and optimizer state untouched.
+
+On GPU the host waits for the step's collectives by polling an event (:func:`wait_for_stream`), not
+with a blocking synchronize: when the epoch is aborted the main thread gives the step up at once and
+aborts the communicators itself, before it would launch anything more on them (worker/runtime.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,20 @@ class StepResult:
     tokens: int  # tokens of the global batch
 
 
-def guard_commit(ts: TrainState, aborted: Callable[[], bool]) -> None:
+def wait_for_stream(device: torch.device, aborted: Callable[[], bool]) -> None:
+    """Wait for the work queued on this thread's stream; raise :class:`StepAborted` as soon as the
+    epoch is aborted. No-op on CPU, where collectives block the host themselves."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    while not done.query():
+        if aborted():
+            raise StepAborted("epoch aborted while the step's collectives were in flight")
+        time.sleep(0.0001)
+
+
+def guard_commit(ts: TrainState, aborted: Callable[[], bool], device: torch.device) -> None:
     """Make the optimizer's local update refuse to run once the epoch is aborted.
 
     Megatron's ``step()`` runs its collectives (grad norm) and then ``step_with_ready_grads()``,
@@ -45,8 +62,7 @@ def guard_commit(ts: TrainState, aborted: Callable[[], bool]) -> None:
     inner = ts.optimizer.step_with_ready_grads
 
     def guarded() -> Any:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the step's collectives have really finished (or were aborted)
+        wait_for_stream(device, aborted)  # the step's collectives have really finished (or were aborted)
         if aborted():
             raise StepAborted("epoch aborted before the optimizer update")
         return inner()
@@ -62,6 +78,7 @@ def train_step(
     device: torch.device,
     mid_step_hook: Callable[[], None],
     commit: bool = True,
+    aborted: Callable[[], bool] = lambda: False,
 ) -> StepResult:
     """Run step ``ts.step``; on success ``ts.step`` is incremented.
 
@@ -72,8 +89,9 @@ def train_step(
         dp_rank: this rank's data-parallel rank.
         device: where tensors live.
         mid_step_hook: called after the first micro-batch's forward pass (fault injection point).
-        commit: False runs forward and backward only and discards the gradients (a spare's
-            warm-up: kernels, cuBLAS handles and allocator pools are ready before promotion).
+        commit: False discards the gradients and steps the optimizer on zeros (a spare's warm-up:
+            kernels, cuBLAS handles and allocator pools are ready before promotion).
+        aborted: whether the epoch was aborted; checked while waiting for the step's collectives.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -86,6 +104,8 @@ def train_step(
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
         nonlocal fired
+        if aborted():  # each micro-batch is a point where an aborted step can stop early
+            raise StepAborted("epoch aborted during the forward passes")
         mb = next(data_iterator)
         output = model(mb.tokens, positions, None, labels=mb.labels)
         if not fired:
@@ -111,9 +131,12 @@ def train_step(
         forward_only=False,
     )
     if not commit:
+        # The optimizer still runs once, on zeroed gradients: its kernels are loaded before the
+        # first real step too (the state it changes is a spare's placeholder, replaced later).
         ts.model.zero_grad_buffer()
+        ts.optimizer.step()
         return StepResult(loss=float("nan"), samples=(), seconds=time.perf_counter() - start, tokens=0)
-    loss = _global_loss(reported, device, parallel_state)
+    loss = _global_loss(reported, device, parallel_state, aborted)
     ok, _grad_norm, _ = ts.optimizer.step()
     if not ok:
         raise RuntimeError(f"optimizer skipped step {ts.step} (non-finite gradients)")
@@ -124,7 +147,9 @@ def train_step(
     )
 
 
-def _global_loss(reported: list[dict[str, torch.Tensor]], device: torch.device, parallel_state: Any) -> float:
+def _global_loss(
+    reported: list[dict[str, torch.Tensor]], device: torch.device, parallel_state: Any, aborted: Callable[[], bool]
+) -> float:
     """Mean per-token loss over the global batch: sum over micro-batches, then over replicas."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage():
@@ -134,4 +159,6 @@ def _global_loss(reported: list[dict[str, torch.Tensor]], device: torch.device, 
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast(totals, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    # Gradient and loss reductions are queued; this is where the host would block on a dead peer.
+    wait_for_stream(device, aborted)
     return float(totals[0].item() / totals[1].item())
