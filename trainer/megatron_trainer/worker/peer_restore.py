@@ -4,9 +4,9 @@ Every rank of a data-parallel group takes part; for each distinct source named b
 that group, the source's state tensors are broadcast over the epoch's DP group and kept by the
 ranks that named that source. Ranks that already hold the state (kind ``self``) hold the same bits
 and discard what they receive. Device tensors travel packed into buckets of one dtype (~1000
-tensors of a 1 B model become ~16 broadcasts: per-call overhead, not bandwidth, dominated the
-per-tensor version); host scalars (Adam's ``step``) are packed into one device tensor because NCCL
-cannot send host memory.
+tensors of a 1 B model become ~16 broadcasts); host scalars (Adam's ``step``) are packed into one
+device tensor because NCCL cannot send host memory. On 4xH200 the 13.7 GB of a 1.1 B model move in
+~0.06 s; NCCL's lazy connection of the group, timed apart as ``restore_connect``, costs 0.2-0.3 s.
 """
 
 from __future__ import annotations
@@ -58,13 +58,12 @@ def buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list
 
 
 def _broadcast_bucket(bucket: list[torch.Tensor], src: int, keep: bool, group: dist.ProcessGroup) -> None:
-    if len(bucket) == 1:
-        if keep or dist.get_rank() == src:
-            dist.broadcast(bucket[0], src=src, group=group)
-        else:  # a holder of the same bits: receive into scratch, leave its own tensor alone
-            dist.broadcast(torch.empty_like(bucket[0]), src=src, group=group)
+    sending = dist.get_rank() == src
+    if len(bucket) == 1 and (keep or sending):  # one tensor goes in place, without packing
+        dist.broadcast(bucket[0], src=src, group=group)
         return
-    if dist.get_rank() == src:
+    # A holder of the same bits (keep is False) receives into the scratch buffer and drops it.
+    if sending:
         flat = torch.cat([t.reshape(-1) for t in bucket])
     else:
         flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
@@ -94,7 +93,6 @@ def restore_from_peers(
     on_device = [t for t in tensors if t.device == device]
     on_host = [t for t in tensors if t.device != device]
     mine = plan.source_of(dist.get_rank())
-    moved = 0
     for src in sources:
         keep = mine.kind is StateSourceKind.PEER and mine.peer_rank == src
         for bucket in buckets(on_device):
@@ -110,5 +108,4 @@ def restore_from_peers(
                 t.copy_(packed[offset : offset + n].reshape(t.shape).to(t.dtype))
                 offset += n
             ts.step = int(packed[offset].item())
-        moved = sum(t.numel() * t.element_size() for t in tensors)
-    return moved
+    return sum(t.numel() * t.element_size() for t in tensors)
