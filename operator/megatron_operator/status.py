@@ -94,36 +94,18 @@ def set_condition(
 ) -> list[Condition]:
     """A copy of ``conditions`` with one condition set; its transition time moves only on a flip."""
     value = "True" if status else "False"
-    out: list[Condition] = []
-    found = False
-    for cond in conditions:
-        if cond.type != type_.value:
-            out.append(cond)
-            continue
-        found = True
-        moved = cond.status != value
-        out.append(
-            Condition(
-                type=type_.value,
-                status=value,
-                reason=reason,
-                message=message,
-                last_transition_time=now if moved else cond.last_transition_time,
-                observed_generation=generation,
-            )
-        )
-    if not found:
-        out.append(
-            Condition(
-                type=type_.value,
-                status=value,
-                reason=reason,
-                message=message,
-                last_transition_time=now,
-                observed_generation=generation,
-            )
-        )
-    return out
+    old = next((c for c in conditions if c.type == type_.value), None)
+    updated = Condition(
+        type=type_.value,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=old.last_transition_time if old is not None and old.status == value else now,
+        observed_generation=generation,
+    )
+    if old is None:
+        return [*conditions, updated]
+    return [updated if c is old else c for c in conditions]
 
 
 def condition(status: MegatronJobStatus, type_: ConditionType) -> Condition | None:
