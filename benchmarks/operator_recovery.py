@@ -41,9 +41,13 @@ from localcluster.cluster import LocalCluster  # noqa: E402
 JOB = "bench"
 
 
-def _agents_main(conn: Connection, token: str) -> None:
-    """The recording agents, in a process of their own (so the benchmark's polling cannot slow them)."""
+def _agents_main(conn: Connection, token: str, job_uid: str, operator_url: str) -> None:
+    """The recording agents, in a process of their own (so the benchmark's polling cannot slow them).
+    They heartbeat like agents (warm spares, then training steps): the operator promotes only warm
+    spares and counts a job as training only on committed steps."""
     agents = RecordingAgents(lambda: token)
+    agents.job_uid, agents.operator_urls = job_uid, [operator_url]
+    agents.start_heartbeats(period=0.5)
     try:
         while True:
             cmd, arg = conn.recv()
@@ -61,9 +65,10 @@ def _agents_main(conn: Connection, token: str) -> None:
 class AgentsProcess:
     """RecordingAgents in a child process; time.monotonic() is system-wide, so its stamps compare."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, job_uid: str, operator_url: str) -> None:
         self._conn, child = mp.Pipe()
-        self._proc = mp.get_context("fork").Process(target=_agents_main, args=(child, token), daemon=True)
+        self._proc = mp.get_context("fork").Process(target=_agents_main, args=(child, token, job_uid, operator_url),
+                                                    daemon=True)
         self._proc.start()
         self._lock = threading.Lock()
 
@@ -165,7 +170,8 @@ def main() -> int:
         status, body = api.create_job(make_job(JOB, ns, replicas=args.workers, spares=args.spares,
                                                min_replicas=1, global_batch=args.workers * 2))
         assert status == 201, body
-        agents = AgentsProcess(wait_for(lambda: api.token(JOB), 60, "the job's Secret"))
+        agents = AgentsProcess(wait_for(lambda: api.token(JOB), 60, "the job's Secret"),
+                               api.job(JOB)["metadata"]["uid"], operator.url)
         watch = EpochWatch(cluster.kubeconfig, ns)  # after the fork above: the child needs no threads
 
         def sync_agents() -> int:
@@ -174,10 +180,9 @@ def main() -> int:
             return len(pods)
 
         wait_for(lambda: sync_agents() >= args.workers + args.spares, 300, "all pods running", interval=0.5)
-        wait_for(lambda: api.status(JOB).get("phase") == "Running", 300, "initial plan acknowledged",
-                 interval=0.1)
+        wait_for(lambda: api.status(JOB).get("phase") == "Running", 300, "the first step of epoch 1", interval=0.1)
         print(f"job of {args.workers} workers + {args.spares} spares running at epoch 1 in "
-              f"{time.monotonic() - t0:.1f} s (create to every member holding the plan)", flush=True)
+              f"{time.monotonic() - t0:.1f} s (create to every member reporting a training step)", flush=True)
 
         stored_s: list[float] = []
         excluded: list[str] = []

@@ -1,13 +1,17 @@
 """The recovery scenarios beyond SIGKILL-with-spare on one running job (GPU with NCCL, or CPU).
 
-Pods a, b, c train (TP=1, DP=3, one GPU each) and s is a warm spare. In order:
+With four GPUs (the default; ``--gpus N`` for N >= 3 alike), pods a, b, c train (TP=1, DP=N-1,
+one GPU each) and s is a warm spare. In order:
 
 1. hang: c is SIGSTOPped at a random moment inside a step. The survivors notice by the collective
    timeout (``--collective-timeout``), abort and report; the script, as agent, kills c and, as
    operator, plans s into c's rank with state broadcast from a DP peer;
-2. shrink: b is SIGKILLed mid-step with no spare left; DP shrinks to 2 with the global batch kept;
-3. grow: pod d boots on b's GPU and joins at a step boundary ahead of training (DP back to 3),
+2. shrink: b is SIGKILLed mid-step with no spare left; DP shrinks by one with the global batch kept;
+3. grow: pod d boots on b's GPU and joins at a step boundary ahead of training (DP back up),
    receiving state from a DP peer.
+
+With two GPUs there is no room for a spare: a and b train (DP=2); b hangs and the job shrinks to
+DP=1 around it; d boots on b's GPU and joins (DP=2); d is SIGKILLed (DP=1); e joins (DP=2).
 
 ``--hang-last`` runs shrink and grow first and the hang last. Then every step committed so far is
 checked: committed in exactly one epoch, consuming exactly
@@ -15,6 +19,7 @@ its global-batch samples (none dropped or repeated), with one loss that all memb
 Prints and writes per-phase times of each transition.
 
     python benchmarks/trainer_scenarios.py --gpus 4 --out scenarios.json
+    python benchmarks/trainer_scenarios.py --gpus 2 --out scenarios-2gpu.json
 """
 
 from __future__ import annotations
@@ -48,13 +53,18 @@ def main() -> int:
     parser.add_argument("--hang-last", action="store_true", help="shrink and grow first, the hang last")
     add_job_args(parser)
     args = parser.parse_args()
-    if args.global_batch % 6:
-        parser.error("--global-batch must be a multiple of 6 (split over DP=3 and DP=2)")
+    if args.gpus < 2:
+        parser.error("needs at least 2 GPUs (or CPU processes)")
+    with_spare = args.gpus >= 3
+    trainers = args.gpus - 1 if with_spare else args.gpus
+    for dp in (trainers, trainers - 1):
+        if args.global_batch % dp:
+            parser.error(f"--global-batch must split over DP={trainers} and DP={trainers - 1}")
     gpu = torch.cuda.is_available()
-    if gpu and torch.cuda.device_count() < 4:
-        parser.error(f"needs 4 GPUs (3 trainers and a spare); this machine has {torch.cuda.device_count()}")
+    if gpu and torch.cuda.device_count() < args.gpus:
+        parser.error(f"--gpus {args.gpus}, but this machine has {torch.cuda.device_count()}")
     rng = random.Random(args.seed)
-    spec = job_spec(args, dp=3, train_iters=1_000_000, collective_timeout=args.collective_timeout)
+    spec = job_spec(args, dp=trainers, train_iters=1_000_000, collective_timeout=args.collective_timeout)
     cluster = WorkerCluster(spec, Path(tempfile.mkdtemp(prefix="scenarios-")))
     device_of: dict[str, int] = {}
     rows: list[dict[str, Any]] = []
@@ -92,8 +102,9 @@ def main() -> int:
             flush=True,
         )
 
-    def hang(members: list[str], victim: str, spare: str) -> list[str]:
-        """SIGSTOP ``victim``; the survivors' collective timeout detects it; ``spare`` takes its rank."""
+    def hang(members: list[str], victim: str, spare: str | None) -> list[str]:
+        """SIGSTOP ``victim``; the survivors' collective timeout detects it; ``spare`` takes its rank
+        (without a spare the survivors go on alone)."""
         survivors = [p for p in members if p != victim]
         mid_step(victim)
         stopped_at = inject_into(cluster.pods[victim][0].process.pid, Fault.SIGSTOP)
@@ -101,19 +112,23 @@ def main() -> int:
         reported_at = time.time()
         cluster.kill_pod(victim)  # the agent kills its hung worker; SIGKILL ends a stopped process
         resume = max(w.last_step() for w in cluster.workers(survivors))
-        rank = members.index(victim)
-        new = [spare if p == victim else p for p in members]
-        peer = (rank + 1) % len(new)
-        plan = cluster.plan(
-            new,
-            resume_step=resume,
-            reason=PlanReason.REPLACE,
-            sources={rank: StateSource(rank=rank, kind=StateSourceKind.PEER, peer_rank=peer)},
-        )
+        if spare is None:
+            new = survivors
+            plan = cluster.plan(new, resume_step=resume, reason=PlanReason.SHRINK)
+        else:
+            rank = members.index(victim)
+            new = [spare if p == victim else p for p in members]
+            peer = (rank + 1) % len(new)
+            plan = cluster.plan(
+                new,
+                resume_step=resume,
+                reason=PlanReason.REPLACE,
+                sources={rank: StateSource(rank=rank, kind=StateSourceKind.PEER, peer_rank=peer)},
+            )
         cluster.assign(plan, new)
         end = first_step_of(plan.epoch, new)
         record(
-            "hang (SIGSTOP) replaced by the spare",
+            "hang (SIGSTOP) replaced by the spare" if spare else f"hang (SIGSTOP): DP {len(members)} -> {len(new)}",
             plan.epoch,
             new,
             stopped_at,
@@ -166,26 +181,39 @@ def main() -> int:
         record(f"grow: DP {len(members)} -> {len(new)} at a step boundary", plan.epoch, new, reached_at, end)
         return new
 
+    def settle(members: list[str]) -> None:
+        cluster.wait_steps(members, max(w.last_step() for w in cluster.workers(members)) + args.steps_between)
+
     try:
-        for i, pod in enumerate(("a", "b", "c", "s")):
+        members = [chr(ord("a") + i) for i in range(trainers)]
+        pods = [*members, "s"] if with_spare else members
+        for i, pod in enumerate(pods):
             boot(pod, i)
-        cluster.wait_ready(["a", "b", "c", "s"], timeout=400)
-        members = ["a", "b", "c"]
+        cluster.wait_ready(pods, timeout=400)
         cluster.assign(cluster.plan(members), members)
         cluster.wait_steps(members, args.steps_between, timeout=300)
-        if args.hang_last:
+        if not with_spare:
+            last = members[-1]
+            members = hang(members, last, None)
+            settle(members)
+            members = grow(members, "d", device_of[last])
+            settle(members)
+            members = shrink(members, "d")
+            settle(members)
+            members = grow(members, "e", device_of["d"])
+        elif args.hang_last:
             members = shrink(members, "b")
-            cluster.wait_steps(members, max(w.last_step() for w in cluster.workers(members)) + args.steps_between)
+            settle(members)
             members = grow(members, "d", device_of["b"])
-            cluster.wait_steps(members, max(w.last_step() for w in cluster.workers(members)) + args.steps_between)
-            members = hang(members, "c", "s")
+            settle(members)
+            members = hang(members, members[-2], "s")
         else:
-            members = hang(members, "c", "s")
-            cluster.wait_steps(members, max(w.last_step() for w in cluster.workers(members)) + args.steps_between)
+            members = hang(members, members[-1], "s")
+            settle(members)
             members = shrink(members, "b")
-            cluster.wait_steps(members, max(w.last_step() for w in cluster.workers(members)) + args.steps_between)
+            settle(members)
             members = grow(members, "d", device_of["b"])
-        cluster.wait_steps(members, max(w.last_step() for w in cluster.workers(members)) + args.steps_between)
+        settle(members)
         checked = check_samples(cluster, members, spec.training.global_batch_size)
         print(f"samples: steps 0..{checked - 1} each committed once with exactly their global batch", flush=True)
     except BaseException:

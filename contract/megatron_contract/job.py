@@ -318,10 +318,24 @@ class MegatronJobStatus(WireModel):
     recoveries: int = Field(
         default=0,
         ge=0,
-        description="Plans made because pods were lost (replace or shrink); growing and resizing are not recoveries.",
+        description=(
+            "Recoveries started because pods were lost (replace or shrink), counted once per incident: further"
+            " plans made before the first one's training resumed belong to the same recovery. Growing and"
+            " resizing are not recoveries."
+        ),
+    )
+    committed_epoch: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Newest epoch in which every member committed a training step. Until it equals epoch, the plan in"
+            " force is not training yet (the job is Starting or Recovering, not Ready)."
+        ),
     )
     last_recovery_duration_seconds: float | None = Field(
-        default=None, ge=0, description="Failure detected to plan pushed, for the last recovery."
+        default=None,
+        ge=0,
+        description="Failure detected to the first training step committed by every member, for the last recovery.",
     )
     last_failure: FailureRecord | None = None
     step: int | None = Field(default=None, ge=0, description="Steps completed, as reported by the trainers.")

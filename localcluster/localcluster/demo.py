@@ -113,7 +113,8 @@ def main() -> int:
             status = _watch(cluster, job_name, lambda s: s.get("phase") == "Succeeded", "the job to finish", 600)
             _kubectl(cluster, "get", "megatronjobs", "-o", "wide")
             took = status.get("lastRecoveryDurationSeconds")
-            print(f"last recovery, failure to plan held by every member: {took:.2f} s" if took is not None else "")
+            if took is not None:
+                print(f"last recovery, failure to the first step trained by every member: {took:.2f} s")
             _kubectl(
                 cluster,
                 "get",

@@ -151,6 +151,22 @@ class NodeAgent:
         )
         self._renew_lease(name)
 
+    def set_ready(self, ready: bool, names: list[str] | None = None) -> None:
+        """Report this agent's nodes (or ``names``) Ready or NotReady, while their pods keep running:
+        what a kubelet cut off from the API server looks like to everyone else."""
+        cond = {
+            "type": "Ready",
+            "status": "True" if ready else "False",
+            "reason": "KubeletReady" if ready else "KubeletNotReady",
+            "message": "local node agent is running" if ready else "made NotReady by a test; pods keep running",
+            "lastHeartbeatTime": _now(),
+            "lastTransitionTime": _now(),
+        }
+        for name in names or self.node_list:
+            self.api.request(
+                "PATCH", f"/api/v1/nodes/{name}/status", {"status": {"conditions": [cond]}}, patch="strategic"
+            )
+
     def _renew_lease(self, name: str) -> None:
         lease = {
             "apiVersion": "coordination.k8s.io/v1",

@@ -36,7 +36,7 @@ from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome
 from megatron_operator.push import PlanPusher, PushOutcome
-from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of
+from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import Observation, Reason, compute_status, status_body, status_changed
 
@@ -80,7 +80,11 @@ class JobController:
         self.push_due: dict[str, float] = {}
         self.push_backoff: dict[str, float] = {}
         self.waiting = False
+        self.partitioned = False
+        self.doubted: set[tuple[int, str, str | None, int | None]] = set()  # accusations already logged
         self.detected_at: float | None = None
+        self.started = time.monotonic()
+        self.settling = True  # until every running pod reported (or a few heartbeat intervals passed)
         self.status = self._read_status(body)
         self.done = False
         self._labels = {"namespace": job.namespace, "job": job.name}
@@ -115,6 +119,8 @@ class JobController:
                 if report.pod not in self.acked and self.acked_epoch == plan.epoch:
                     self.acked.add(report.pod)
                     self.wake.set()
+                if report.step is not None and self.status.committed_epoch < plan.epoch:
+                    self.wake.set()  # maybe the last member's first step: the job trains again
             else:
                 # The agent is behind (it missed a push, or restarted): send the plan again now.
                 self.acked.discard(report.pod)
@@ -151,6 +157,8 @@ class JobController:
         except (ValidationError, KeyError):
             heartbeat = self.settings.resync_seconds
         due = [t - time.monotonic() for t in self.push_due.values()]
+        if self.settling:
+            due.append(0.25)  # listening for the first reports: look again soon
         return max(0.05, min([self.settings.resync_seconds, heartbeat, *due]))
 
     async def _sleep(self, seconds: float) -> None:
@@ -181,22 +189,38 @@ class JobController:
         plan = self.plan
         members = [m.pod for m in plan.members] if plan is not None else []
         watched = [p.name for p in pods if p.name not in self.failed]
+        fd = spec.failure_detection
+        fresh_age = min(fd.heartbeat_timeout_seconds, max(3 * fd.heartbeat_interval_seconds, 1.0))
+        reporting = self.book.fresh(self.job.uid, watched, fresh_age, mono)
         signals = AgentSignals(
-            silent=self.book.missing(self.job.uid, watched, spec.failure_detection.heartbeat_timeout_seconds, mono),
+            silent=self.book.missing(self.job.uid, watched, fd.heartbeat_timeout_seconds, mono),
             unhealthy=self.book.self_reported_failed(self.job.uid, watched),
             accusations=self.book.accusations(self.job.uid, plan.epoch) if plan is not None else (),
             completed_step=self.book.completed_step(self.job.uid, members),
             all_succeeded=self.book.succeeded(self.job.uid, members),
+            warm=self.book.warm(self.job.uid, watched, fresh_age, mono),
+            fresh=reporting,
+            quiet=set(watched) - set(self.book.fresh(self.job.uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),
         )
+        # A restarted operator has heard from nobody: the first heartbeat intervals, it waits for
+        # the running pods' reports before planning around them.
+        settling = mono - self.started < fresh_age and any(
+            self.book.last(self.job.uid, p.name) is None for p in pods if p.phase == "Running" and not p.deleting
+        )
+        if self.settling and not settling:
+            log.info("%s/%s: heard from every running pod (or waited %.1f s): plans may change the mesh now",
+                     self.job.namespace, self.job.name, fresh_age)
+        self.settling = settling
         a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected,
                    checkpoint_step=self._checkpoint_step(), retired=self.retired,
-                   start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds)
+                   start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
+                   settling=settling)
         assessed = time.monotonic()
         now = _now()
         for failure in a.failures:
             self.failed[failure.pod] = failure
             metrics.FAILURES.labels(**self._labels, reason=failure.reason.value).inc()
-            if plan is not None and self.detected_at is None:
+            if plan is not None and self.detected_at is None and failure.pod in members:
                 self.detected_at = mono
         if a.failures:
             log.warning("%s/%s: failed pods: %s", self.job.namespace, self.job.name,
@@ -207,6 +231,7 @@ class JobController:
             return
 
         events: list[tuple[str, str, str]] = [("Warning", f.reason.value, f.message) for f in a.failures]
+        events.extend(self._note_doubts(a))
         last_failure = self.status.last_failure
         if a.failures:
             f = a.failures[-1]
@@ -216,8 +241,8 @@ class JobController:
         fresh = False  # a plan made in this pass
         if decision is not None and decision.outcome is Outcome.NEW_PLAN and decision.plan is not None:
             new_plan = decision.plan.model_copy(update={"created_at": now})
-            if is_recovery(new_plan):
-                recoveries += 1
+            if is_recovery(new_plan) and not recovery_open(self.status):
+                recoveries += 1  # a new incident; plans made while one is under way belong to it
             plan, fresh = new_plan, True
             self.waiting = False
             self.acked, self.acked_epoch = set(), new_plan.epoch
@@ -272,35 +297,60 @@ class JobController:
         if plan is not None:
             await self._sync_labels(plan, pods)
 
-        # (4) status, then events.
-        acknowledged = plan is not None and all(m.pod in self.acked for m in plan.members)
-        phase, reason = phase_of(plan, acknowledged, self.waiting, bool(pods) or bool(self.expected))
+        # (4) status, then events. The job trains again when every member committed a step of
+        # the plan in force; that, not the plan's delivery, ends a recovery.
+        committed_epoch = self.status.committed_epoch
         duration = self.status.last_recovery_duration_seconds
-        recovered = (acknowledged and plan is not None and self.status.phase is JobPhase.RECOVERING
-                     and is_recovery(plan))
-        if acknowledged and plan is not None and not is_recovery(plan):
-            self.detected_at = None
-        if recovered and plan is not None:
-            duration = self._recovery_seconds(now)
-            metrics.RECOVERY_SECONDS.labels(**self._labels).observe(duration)
-            self.detected_at = None
-            events.append(("Normal", Reason.PLAN_ACKNOWLEDGED,
-                           f"recovered: epoch {plan.epoch} held by all {len(plan.members)} members, "
-                           f"{duration:.3f} s after the failure"))
+        if plan is not None and committed_epoch < plan.epoch:
+            trained_at = self.book.committed(self.job.uid, [m.pod for m in plan.members], plan.epoch)
+            if trained_at is not None:
+                committed_epoch = plan.epoch
+                if self.detected_at is not None or is_recovery(plan):
+                    duration = self._recovery_seconds(now, trained_at)
+                    metrics.RECOVERY_SECONDS.labels(**self._labels).observe(duration)
+                    events.append(("Normal", Reason.RECOVERED,
+                                   f"recovered: every one of the {len(plan.members)} members of epoch {plan.epoch} "
+                                   f"committed a training step, {duration:.3f} s after the failure"))
+                self.detected_at = None
+        trained = plan is not None and committed_epoch >= plan.epoch
+        phase, reason = phase_of(plan, trained, self.waiting, bool(pods) or bool(self.expected))
         message = "" if plan is None else f"epoch {plan.epoch}, mesh {plan.mesh_label}"
         if phase is JobPhase.DEGRADED and decision is not None:
             message = decision.message
         await self._write_status(spec, a, plan, phase, reason, message, recoveries, last_failure, generation, now,
-                                 duration=duration)
+                                 duration=duration, committed_epoch=committed_epoch)
         self._post(events)
+
+    def _note_doubts(self, a: Assessment) -> list[tuple[str, str, str]]:
+        """Log, count and announce (once each) accusations not acted on, and a partition."""
+        events: list[tuple[str, str, str]] = []
+        for acc in a.doubted:
+            key = (acc.epoch, acc.reporter, acc.pod, acc.rank)
+            if key in self.doubted:
+                continue
+            self.doubted.add(key)
+            metrics.ACCUSATIONS_IGNORED.labels(**self._labels).inc()
+            accused = acc.pod or f"rank {acc.rank}"
+            text = (f"{acc.reporter} reported {accused} failed in epoch {acc.epoch} ({acc.reason[:200]}); "
+                    "not acted on: not a member of the epoch, or not corroborated (its agent still reports, "
+                    "nobody else accuses it)")
+            log.warning("%s/%s: %s", self.job.namespace, self.job.name, text)
+            events.append(("Warning", Reason.ACCUSATION_IGNORED, text))
+        if a.partition is not None and not self.partitioned:
+            log.warning("%s/%s: %s", self.job.namespace, self.job.name, a.partition)
+            events.append(("Warning", Reason.NODES_PARTITIONED, a.partition))
+        self.partitioned = a.partition is not None
+        return events
 
     # -- steps -------------------------------------------------------------------------------------
 
-    def _recovery_seconds(self, now: datetime) -> float:
+    def _recovery_seconds(self, now: datetime, trained_at: float) -> float:
+        """Failure detected -> the report that completed the first committed step (monotonic);
+        after an operator restart the detection time is the last failure's record."""
         if self.detected_at is not None:
-            return max(0.0, time.monotonic() - self.detected_at)
+            return max(0.0, trained_at - self.detected_at)
         last = self.status.last_failure
-        return max(0.0, (now - last.time).total_seconds()) if last is not None else 0.0
+        return max(0.0, (now - last.time).total_seconds() - (time.monotonic() - trained_at)) if last else 0.0
 
     def _age_seconds(self) -> float:
         """Seconds since the job was created (0 when the API server gave no timestamp)."""
@@ -404,6 +454,7 @@ class JobController:
         now: datetime,
         *,
         duration: float | None = None,
+        committed_epoch: int | None = None,
         force: bool = False,
     ) -> None:
         members = {m.pod for m in plan.members} if plan is not None else set()
@@ -418,6 +469,7 @@ class JobController:
             spares_ready=a.spares_ready,
             spares_wanted=spec.spares,
             recoveries=recoveries,
+            committed_epoch=self.status.committed_epoch if committed_epoch is None else committed_epoch,
             last_recovery_duration=duration if duration is not None else self.status.last_recovery_duration_seconds,
             last_failure=last_failure,
             step=step,

@@ -33,16 +33,28 @@ class Accusation:
     reason: str
 
 
+# A pod is fit to join a plan only when its agent says its workers are warm and waiting.
+_WARM = (AgentState.SPARE,)
+
+
 class HeartbeatBook:
     """The last heartbeat of every agent, and the failed peers they reported, by job UID."""
 
     def __init__(self) -> None:
         self._last: dict[str, dict[str, Heartbeat]] = {}
         self._accusations: dict[str, list[Accusation]] = {}
+        # pod -> (newest epoch in which it reported a committed step, when that first arrived)
+        self._first_commit: dict[str, dict[str, tuple[int, float]]] = {}
 
     def record(self, report: AgentReport, now: float) -> None:
         """Store a report (replacing the pod's previous one)."""
         self._last.setdefault(report.job_uid, {})[report.pod] = Heartbeat(report, now)
+        # An agent reports a step only from progress of the epoch it holds: a step in the report
+        # means a training step of that epoch was committed.
+        if report.step is not None and report.state in (AgentState.TRAINING, AgentState.SUCCEEDED):
+            commits = self._first_commit.setdefault(report.job_uid, {})
+            if report.epoch > commits.get(report.pod, (0, 0.0))[0]:
+                commits[report.pod] = (report.epoch, now)
         if report.failed_peers:
             found = self._accusations.setdefault(report.job_uid, [])
             for peer in report.failed_peers:
@@ -52,6 +64,33 @@ class HeartbeatBook:
     def last(self, job_uid: str, pod: str) -> Heartbeat | None:
         """The last heartbeat of a pod, if any."""
         return self._last.get(job_uid, {}).get(pod)
+
+    def fresh(self, job_uid: str, pods: Iterable[str], max_age: float, now: float) -> list[str]:
+        """Pods among ``pods`` whose agent reported within ``max_age``, freshest first."""
+        seen = self._last.get(job_uid, {})
+        alive = [p for p in pods if p in seen and now - seen[p].received <= max_age]
+        return sorted(alive, key=lambda p: -seen[p].received)
+
+    def warm(self, job_uid: str, pods: Iterable[str], max_age: float, now: float) -> list[str]:
+        """Pods whose agent reported recently that its workers are warm, healthy and hold no rank."""
+        seen = self._last.get(job_uid, {})
+        return [
+            p
+            for p in self.fresh(job_uid, pods, max_age, now)
+            if seen[p].report.healthy and seen[p].report.state in _WARM
+        ]
+
+    def committed(self, job_uid: str, pods: Iterable[str], epoch: int) -> float | None:
+        """When the last of ``pods`` reported its first committed step of ``epoch`` (or later);
+        None while some pod has not."""
+        commits = self._first_commit.get(job_uid, {})
+        times = []
+        for p in pods:
+            got = commits.get(p)
+            if got is None or got[0] < epoch:
+                return None
+            times.append(got[1])
+        return max(times) if times else None
 
     def missing(self, job_uid: str, pods: Iterable[str], timeout: float, now: float) -> list[str]:
         """Pods among ``pods`` whose last heartbeat is older than ``timeout`` (armed pods only)."""
@@ -95,7 +134,10 @@ class HeartbeatBook:
         if pods is None:
             self._last.pop(job_uid, None)
             self._accusations.pop(job_uid, None)
+            self._first_commit.pop(job_uid, None)
             return
         seen = self._last.get(job_uid, {})
+        commits = self._first_commit.get(job_uid, {})
         for p in pods:
             seen.pop(p, None)
+            commits.pop(p, None)

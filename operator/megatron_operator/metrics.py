@@ -10,7 +10,7 @@ FAILURES = Counter("megatron_operator_pod_failures_total", "Pods declared failed
 PLANS = Counter("megatron_operator_plans_total", "Plans made, by reason.", [*JOB_LABELS, "reason"])
 RECOVERY_SECONDS = Histogram(
     "megatron_operator_recovery_seconds",
-    "Failure detected to plan acknowledged by every member.",
+    "Failure detected to the first training step committed by every member of the new plan.",
     JOB_LABELS,
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
@@ -22,7 +22,12 @@ PUSH_SECONDS = Histogram(
 )
 EPOCH = Gauge("megatron_operator_plan_epoch", "Epoch of the plan in force.", JOB_LABELS)
 DP = Gauge("megatron_operator_mesh_dp", "Data-parallel size of the plan in force.", JOB_LABELS)
-SPARES_READY = Gauge("megatron_operator_spares_ready", "Hot spares running.", JOB_LABELS)
+SPARES_READY = Gauge("megatron_operator_spares_ready", "Hot spares running whose workers are warm.", JOB_LABELS)
 READY_WORKERS = Gauge("megatron_operator_ready_workers", "Members of the plan running.", JOB_LABELS)
 PHASE = Gauge("megatron_operator_job_phase", "1 for the job's current phase.", [*JOB_LABELS, "phase"])
 REPORTS = Counter("megatron_operator_agent_reports_total", "Agent reports received.", JOB_LABELS)
+ACCUSATIONS_IGNORED = Counter(
+    "megatron_operator_peer_reports_ignored_total",
+    "Failed-peer reports not acted on: implausible or not corroborated.",
+    JOB_LABELS,
+)

@@ -140,6 +140,8 @@ def plan_mesh(
     *,
     resume_step: int | None = None,
     checkpoint_step: int | None = None,
+    store_hosts: Sequence[str] = (),
+    previous_trained: bool = True,
     now: datetime | None = None,
 ) -> PlanDecision:
     """The next mesh plan.
@@ -154,6 +156,12 @@ def plan_mesh(
         resume_step: the first step not yet completed by the surviving trainers, when known.
         checkpoint_step: step of the newest complete checkpoint, when known; used only when no
             data-parallel peer still holds some shard of the state.
+        store_hosts: pods whose agents reported recently, freshest first; the rendezvous store
+            is hosted by the first of them that is a member (a pod that only looks Running may
+            have died a moment ago, and a store nobody can reach stalls the whole epoch).
+        previous_trained: whether every member of ``previous`` committed a step in its epoch.
+            When not, the ranks that were to receive their state in it never did: only ranks
+            that kept their own state then still hold any.
         now: the plan's creation time.
 
     Returns:
@@ -179,7 +187,8 @@ def plan_mesh(
             [pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)
         ]
         promoted = tuple(p.name for u in units for p in u if p.name not in active)
-        plan = _build(spec, job_uid, 1, PlanReason.INITIAL, shape, units, None, 0, checkpoint_step, now)
+        plan = _build(spec, job_uid, 1, PlanReason.INITIAL, shape, units, None, 0, checkpoint_step, now,
+                      store_hosts, True)
         return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
 
     previous_units = _previous_units(previous, shape)
@@ -242,7 +251,8 @@ def plan_mesh(
     else:
         reason = PlanReason.REPLACE
     resume = _resume(resume_step, previous.resume_step)
-    plan = _build(spec, job_uid, previous.epoch + 1, reason, shape, new_units, previous, resume, checkpoint_step, now)
+    plan = _build(spec, job_uid, previous.epoch + 1, reason, shape, new_units, previous, resume, checkpoint_step, now,
+                  store_hosts, previous_trained)
     message = (
         f"{reason.value}: mesh {previous.mesh_label} -> {plan.mesh_label}"
         + (f", lost {', '.join(lost)}" if lost else "")
@@ -264,6 +274,8 @@ def _build(
     resume_step: int,
     checkpoint_step: int | None,
     now: datetime | None,
+    store_hosts: Sequence[str],
+    previous_trained: bool,
 ) -> MeshPlan:
     dp = len(units) * shape.replicas_per_unit
     sizes = MeshSizes(world=spec.model_parallel * dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp)
@@ -281,12 +293,12 @@ def _build(
             members.append(PlanMember(pod=pod.name, pod_uid=pod.uid, address=pod.address, agent_port=AGENT_PORT,
                                       ranks=ranks))
 
-    sources = _state_sources(sizes, members, mp_key_of, previous, checkpoint_step)
+    sources = _state_sources(sizes, members, mp_key_of, previous, checkpoint_step, previous_trained)
     if previous is not None and sources.default is not StateSourceKind.SELF:
         # Some shard is held by nobody: everyone restarts from the checkpoint step (or from 0).
         resume_step = sources.checkpoint_step or 0
     members.sort(key=lambda m: m.ranks[0])
-    host = _rendezvous_host(members, sources.keepers)
+    host = _rendezvous_host(members, sources.keepers, store_hosts)
     return MeshPlan(
         job_uid=job_uid,
         epoch=epoch,
@@ -320,13 +332,19 @@ def _state_sources(
     mp_key_of: dict[int, tuple[int, int, int]],
     previous: MeshPlan | None,
     checkpoint_step: int | None,
+    previous_trained: bool,
 ) -> _Sources:
     if previous is None:
         return _Sources(StateSourceKind.INIT, None, [], frozenset())
-    # What each previous member held: pod (by UID when known) -> model-parallel keys it held.
+    # What each previous member held: pod (by UID when known) -> model-parallel keys it held. A
+    # plan that never trained delivered nothing: only the ranks that kept their own state in it
+    # hold one (a plan whose default was a reload or a fresh start leaves nobody holding any).
+    def holds(rank: int) -> bool:
+        return previous_trained or previous.source_of(rank).kind is StateSourceKind.SELF
+
     held: dict[tuple[str, str | None], set[tuple[int, int, int]]] = {}
     for m in previous.members:
-        keys = {previous.sizes.coords_of(r).model_parallel_key() for r in m.ranks}
+        keys = {previous.sizes.coords_of(r).model_parallel_key() for r in m.ranks if holds(r)}
         held[(m.pod, m.pod_uid)] = keys
     keeps: dict[int, bool] = {}
     for m in members:
@@ -346,9 +364,11 @@ def _state_sources(
     return _Sources(StateSourceKind.SELF, None, listed, frozenset(r for r, kept in keeps.items() if kept))
 
 
-def _rendezvous_host(members: list[PlanMember], keeps: frozenset[int]) -> str:
-    """A surviving member's address (it already runs its store); the first member otherwise."""
-    for m in members:
-        if any(r in keeps for r in m.ranks):
-            return m.address
-    return members[0].address
+def _rendezvous_host(members: list[PlanMember], keeps: frozenset[int], store_hosts: Sequence[str]) -> str:
+    """Every agent runs a store. Prefer a member whose agent reported recently (freshest first,
+    keepers before newcomers), then a keeper, then the first member."""
+    by_name = {m.pod: m for m in members}
+    fresh = [by_name[name] for name in store_hosts if name in by_name]
+    keepers = [m for m in members if any(r in keeps for r in m.ranks)]
+    fresh_keepers = [m for m in fresh if m in keepers]
+    return (fresh_keepers or fresh or keepers or members)[0].address

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from megatron_contract import wire
 from megatron_contract.job import JobPhase, MegatronJobSpec, MegatronJobStatus
-from megatron_contract.mesh import MeshPlan, PlanReason
+from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
 from megatron_operator.failures import Failure, FailureReason, PodFacts, PodHealth, classify_pod
 from megatron_operator.heartbeats import Accusation
 from megatron_operator.planner import Outcome, PlanDecision, PodRef, plan_mesh
@@ -28,6 +28,14 @@ class AgentSignals:
     accusations: Sequence[Accusation] = ()  # failed peers reported for the current epoch
     completed_step: int | None = None  # steps every reporting member completed (a count)
     all_succeeded: bool = False  # every member's agent reports that training finished
+    # Pods whose agent reported recently that its workers are warm and hold no rank: the only pods
+    # a plan may bring in (None: not known, every running pod qualifies; unit tests of other rules).
+    warm: Collection[str] | None = None
+    # Pods whose agent reported recently, freshest first: where a plan's rendezvous store may live.
+    fresh: Sequence[str] = ()
+    # Pods whose agent has been quiet for more than two heartbeat intervals: an accusation of one
+    # of them is corroborated.
+    quiet: Collection[str] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +62,11 @@ class Assessment:
         retire: healthy pods to delete because the job has more than it needs (not failures).
         terminal: set when the job succeeds or fails now (or already has).
         ready_workers: members of the plan in force after the decision that are running.
-        spares_ready: running pods outside that plan.
+        spares_ready: running pods outside that plan whose workers are warm.
+        doubted: accusations not acted on: implausible (the reporter and the accused share no
+            group of the epoch) or uncorroborated (the accused still reports, alone accused).
+        partition: set when most of the job's nodes are NotReady at once: no pod is failed for
+            its node's state alone, and this says so.
     """
 
     failures: tuple[Failure, ...]
@@ -67,6 +79,8 @@ class Assessment:
     terminal: Terminal | None = None
     ready_workers: int = 0
     spares_ready: int = 0
+    doubted: tuple[Accusation, ...] = ()
+    partition: str | None = None
 
     @property
     def plan(self) -> MeshPlan | None:
@@ -80,8 +94,9 @@ def _detect(
     plan: MeshPlan | None,
     signals: AgentSignals,
     known: Mapping[str, Failure],
-) -> list[Failure]:
+) -> tuple[list[Failure], list[Accusation]]:
     found: dict[str, Failure] = {}
+    doubted: list[Accusation] = []
 
     def note(f: Failure) -> None:
         if f.pod not in known and f.pod not in found:
@@ -96,18 +111,46 @@ def _detect(
         for member in plan.members:
             if member.pod not in present:
                 note(Failure(member.pod, FailureReason.POD_DELETED, f"pod {member.pod} of the mesh is gone"))
-        pod_of_rank = plan.pod_of_rank()
-        for acc in signals.accusations:
-            if acc.epoch != plan.epoch:
-                continue
-            accused = acc.pod or (pod_of_rank.get(acc.rank) if acc.rank is not None else None)
-            if accused and accused != acc.reporter:
-                note(Failure(accused, FailureReason.PEER_REPORTED, f"{acc.reporter} reports: {acc.reason}"[:1024]))
+        for accused, acc in _credible_accusations(plan, signals, doubted):
+            note(Failure(accused, FailureReason.PEER_REPORTED, f"{acc.reporter} reports: {acc.reason}"[:1024]))
     for name in signals.silent:
         note(Failure(name, FailureReason.HEARTBEAT_MISSING, f"no heartbeat from the agent of {name}"))
     for name in signals.unhealthy:
         note(Failure(name, FailureReason.AGENT_REPORTED, f"the agent of {name} reports failure"))
-    return list(found.values())
+    return list(found.values()), doubted
+
+
+def _credible_accusations(
+    plan: MeshPlan, signals: AgentSignals, doubted: list[Accusation]
+) -> list[tuple[str, Accusation]]:
+    """Accusations worth a failure: plausible and corroborated; the others go to ``doubted``.
+
+    Any pod holding the job's token can name any other pod, so one word is not enough to delete a
+    healthy peer. Plausible: reporter and accused are both members of the epoch, so they share
+    its world group (every collective of the epoch runs in a subgroup of it). Corroborated: the
+    accused's own agent has gone quiet, or a second member accuses it too.
+    """
+    members = {m.pod for m in plan.members}
+    pod_of_rank = plan.pod_of_rank()
+    by_accused: dict[str, list[Accusation]] = {}
+    for acc in signals.accusations:
+        if acc.epoch != plan.epoch:
+            continue
+        accused = acc.pod or (pod_of_rank.get(acc.rank) if acc.rank is not None else None)
+        if accused is None or accused == acc.reporter:
+            continue
+        if accused not in members or acc.reporter not in members:
+            doubted.append(acc)
+            continue
+        by_accused.setdefault(accused, []).append(acc)
+    credible = []
+    quiet = set(signals.quiet)
+    for accused, accs in by_accused.items():
+        if accused in quiet or len({a.reporter for a in accs}) >= 2:
+            credible.append((accused, accs[0]))
+        else:
+            doubted.extend(accs)
+    return credible
 
 
 def assess(
@@ -122,6 +165,7 @@ def assess(
     checkpoint_step: int | None = None,
     retired: Collection[str] = (),
     start_small: bool = False,
+    settling: bool = False,
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -138,6 +182,9 @@ def assess(
         retired: pods this operator deleted as surplus (also known by their role label); their
             going is no failure.
         start_small: the job waited long enough for its full mesh; start with the pods that run.
+        settling: the operator has only just started watching this job and some running pods
+            have not reported yet: a new plan waits for them (at most a few heartbeat intervals),
+            or it would shrink past spares that are warm but not heard from yet.
     """
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
@@ -152,7 +199,15 @@ def assess(
         return _wind_down(status, pods, plan, known_failures)
 
     health = {p.name: classify_pod(p, node_ready) for p in pods}
-    failures = _detect(pods, health, plan, signals, known_failures)
+    partition = _partition(pods, node_ready)
+    if partition is not None:
+        # Most nodes NotReady at once is the control plane's or the network's trouble, not the
+        # GPUs' (Kubernetes itself stops evicting then): no failure from node state alone.
+        for pod in pods:
+            failure = health[pod.name][1]
+            if failure is not None and failure.reason is FailureReason.NODE_NOT_READY:
+                health[pod.name] = classify_pod(pod, {})  # as if its node were Ready
+    failures, doubted = _detect(pods, health, plan, signals, known_failures)
     failed = frozenset(known_failures) | {f.pod for f in failures}
     by_name = {p.name: p for p in pods}
     members = [m.pod for m in plan.members] if plan is not None else []
@@ -166,6 +221,8 @@ def assess(
     alive = [p for p in pods if p.name not in failed and not p.deleting and health[p.name][0] is not PodHealth.FAILED]
     ready = sorted((p for p in alive if health[p.name][0] is PodHealth.READY), key=lambda p: p.serial)
     ref = {p.name: PodRef(p.name, p.uid, p.ip or "") for p in ready}
+    # Pods that may join a plan: running, and their agent said recently that its workers are warm.
+    warm = set(signals.warm) if signals.warm is not None else set(ref)
     finishing = any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
 
     decision: PlanDecision | None = None
@@ -174,32 +231,33 @@ def assess(
         # The first plan waits for the full mesh (starting small and growing at once costs a
         # re-mesh), but not forever: after the wait it takes the pods that run, if enough for
         # minReplicas, and grows as the rest arrive.
-        if len(ready) >= spec.worker_pods or (start_small and ready):
-            workers = [ref[p.name] for p in ready if p.role == wire.ROLE_WORKER]
-            spares = [ref[p.name] for p in ready if p.role != wire.ROLE_WORKER]
-            decision = plan_mesh(spec, job_uid, workers, spares, failed, None)
+        usable = [p for p in ready if p.name in warm]
+        if len(usable) >= spec.worker_pods or (start_small and usable):
+            workers = [ref[p.name] for p in usable if p.role == wire.ROLE_WORKER]
+            spares = [ref[p.name] for p in usable if p.role != wire.ROLE_WORKER]
+            decision = plan_mesh(spec, job_uid, workers, spares, failed, None, store_hosts=signals.fresh)
     elif finishing:
         decision = PlanDecision(Outcome.UNCHANGED, plan)
     else:
         member_set = set(members)
         active = [ref[n] for n in members if n in ref]
-        spares = [ref[p.name] for p in ready if p.name not in member_set]
+        spares = [ref[p.name] for p in ready if p.name not in member_set and p.name in warm]
         # Reported steps are counts of completed steps, i.e. the index of the next step: the
         # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
         # trainers agree on their actual step at rendezvous (worker/verify.py).
         resume = signals.completed_step
         decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
-                             checkpoint_step=checkpoint_step)
+                             checkpoint_step=checkpoint_step, store_hosts=signals.fresh,
+                             previous_trained=status.committed_epoch >= plan.epoch)
+        if settling and decision.outcome is not Outcome.UNCHANGED:
+            decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
         # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
         new_plan = decision.plan if decision.outcome is Outcome.NEW_PLAN else None
         needs_recovery = decision.outcome is Outcome.WAIT or (new_plan is not None and is_recovery(new_plan))
-        if needs_recovery and status.recoveries >= spec.max_recoveries:
-            terminal = Terminal(
-                JobPhase.FAILED,
-                Reason.MAX_RECOVERIES,
-                f"{status.recoveries} recoveries done, spec.maxRecoveries is {spec.max_recoveries}; "
-                f"not recovering from: {decision.message}",
-            )
+        terminal = _recovery_budget(spec, status, needs_recovery, new_plan, decision.message) or _state_lost(
+            status, plan, new_plan
+        )
+        if terminal is not None:
             return _wind_down(status, pods, plan, {**known_failures, **{f.pod: f for f in failures}},
                               terminal=terminal, failures=tuple(failures))
 
@@ -242,7 +300,82 @@ def assess(
         retire=retire,
         terminal=terminal,
         ready_workers=len(member_names & ready_names),
-        spares_ready=len(ready_names - member_names),
+        spares_ready=len((ready_names & warm) - member_names),
+        doubted=tuple(doubted),
+        partition=partition,
+    )
+
+
+def _state_lost(status: MegatronJobStatus, plan: MeshPlan, new_plan: MeshPlan | None) -> Terminal | None:
+    """The job fails rather than silently start over: a plan that would initialize fresh weights
+    after steps were trained means no surviving pod holds some shard and no checkpoint exists."""
+    trained = max(status.step or 0, plan.resume_step)
+    if new_plan is None or trained == 0 or StateSourceKind.INIT not in new_plan.source_kinds():
+        return None
+    return Terminal(
+        JobPhase.FAILED,
+        Reason.STATE_LOST,
+        f"the pods holding the state of step {trained} are gone and there is no checkpoint to reload;"
+        f" starting again at step 0 would discard {trained} trained steps (set spec.checkpoint to survive this)",
+    )
+
+
+def recovery_open(status: MegatronJobStatus) -> bool:
+    """Whether a recovery is under way: the plan in force was made because pods were lost, and
+    its members have not all committed a training step in it yet."""
+    plan = status.plan
+    return plan is not None and is_recovery(plan) and status.committed_epoch < plan.epoch
+
+
+def _recovery_budget(
+    spec: MegatronJobSpec, status: MegatronJobStatus, needs_recovery: bool, new_plan: MeshPlan | None, what: str
+) -> Terminal | None:
+    """The job fails when a new recovery would exceed spec.maxRecoveries.
+
+    Recoveries are counted per incident: the plans the operator makes while a recovery is still
+    under way (a pod lost while the survivors were joining, a rendezvous that failed) belong to
+    it and cost nothing more. So that such a cascade still ends, one incident may take at most
+    :func:`max_plans_per_recovery` plans.
+    """
+    if not needs_recovery:
+        return None
+    if not recovery_open(status):
+        if status.recoveries >= spec.max_recoveries:
+            return Terminal(
+                JobPhase.FAILED,
+                Reason.MAX_RECOVERIES,
+                f"{status.recoveries} recoveries done, spec.maxRecoveries is {spec.max_recoveries}; "
+                f"not recovering from: {what}",
+            )
+        return None
+    assert status.plan is not None
+    plans = (new_plan.epoch if new_plan is not None else status.plan.epoch + 1) - status.committed_epoch
+    limit = max_plans_per_recovery(spec)
+    if plans > limit:
+        return Terminal(
+            JobPhase.FAILED,
+            Reason.RECOVERY_NOT_CONVERGING,
+            f"{plans} plans since training last ran (epoch {status.committed_epoch}), more than {limit} for one "
+            f"recovery; not recovering from: {what}",
+        )
+    return None
+
+
+def max_plans_per_recovery(spec: MegatronJobSpec) -> int:
+    """Plans one recovery may take: every pod of the mesh and the pool failing once, twice over."""
+    return 2 * (spec.worker_pods + spec.spares) + 4
+
+
+def _partition(pods: Sequence[PodFacts], node_ready: Mapping[str, str]) -> str | None:
+    """A message when more than half of the nodes holding the job's pods (two at least) are NotReady."""
+    nodes = {p.node for p in pods if p.node and not p.deleting}
+    down = sorted(n for n in nodes if node_ready.get(n, "True") != "True")
+    if len(nodes) < 2 or 2 * len(down) <= len(nodes):
+        return None
+    return (
+        f"{len(down)} of the job's {len(nodes)} nodes are NotReady at once ({', '.join(down[:5])}"
+        f"{', ...' if len(down) > 5 else ''}): a partition or a control-plane outage, not failed GPUs; "
+        "no pod is failed for its node's state until heartbeats stop or the nodes return"
     )
 
 
@@ -280,12 +413,13 @@ def is_recovery(plan: MeshPlan) -> bool:
     return plan.reason in (PlanReason.REPLACE, PlanReason.SHRINK)
 
 
-def phase_of(plan: MeshPlan | None, acknowledged: bool, waiting: bool, has_pods: bool) -> tuple[JobPhase, str]:
+def phase_of(plan: MeshPlan | None, trained: bool, waiting: bool, has_pods: bool) -> tuple[JobPhase, str]:
     """Phase of a running job and the reason of its state condition.
 
     Args:
         plan: the plan in force.
-        acknowledged: every member of the plan holds it.
+        trained: every member of the plan committed a training step in its epoch. Only then is
+            the job Running (Ready): holding the plan is not training.
         waiting: the planner could not make a plan for lack of pods after a failure.
         has_pods: the job has pods at all.
     """
@@ -293,10 +427,10 @@ def phase_of(plan: MeshPlan | None, acknowledged: bool, waiting: bool, has_pods:
         return JobPhase.DEGRADED, Reason.BELOW_MIN_REPLICAS
     if plan is None:
         return (JobPhase.STARTING if has_pods else JobPhase.PENDING), Reason.WAITING_FOR_PODS
-    if acknowledged:
-        return JobPhase.RUNNING, Reason.PLAN_ACKNOWLEDGED
+    if trained:
+        return JobPhase.RUNNING, Reason.TRAINING
     if plan.reason is PlanReason.INITIAL:
-        return JobPhase.STARTING, Reason.PUSHING_PLAN
+        return JobPhase.STARTING, Reason.WAITING_FOR_FIRST_STEP
     if plan.reason is PlanReason.GROW:
         return JobPhase.RECOVERING, Reason.GROWING
     if plan.reason is PlanReason.RESIZE:

@@ -26,8 +26,6 @@ class Reason:
     """Reasons of conditions and events (CamelCase, as Kubernetes wants them)."""
 
     WAITING_FOR_PODS = "WaitingForPods"
-    PUSHING_PLAN = "PushingPlan"
-    PLAN_ACKNOWLEDGED = "PlanAcknowledged"
     RECOVERING = "ReplacingFailedPods"
     GROWING = "GrowingMesh"
     RESIZING = "ResizingMesh"
@@ -38,6 +36,10 @@ class Reason:
     SPARES_READY = "SparesReady"
     NO_SPARES_REQUESTED = "NoSparesRequested"
     MAX_RECOVERIES = "MaxRecoveriesExceeded"
+    RECOVERY_NOT_CONVERGING = "RecoveryNotConverging"
+    STATE_LOST = "StateLost"
+    TRAINING = "Training"  # Ready: every member committed a step of the plan in force
+    WAITING_FOR_FIRST_STEP = "WaitingForFirstStep"
     INVALID_SPEC = "InvalidSpec"
     TRAINING_FINISHED = "TrainingFinished"
     NOT_FINISHED = "NotFinished"
@@ -48,6 +50,9 @@ class Reason:
     POD_CREATED = "PodsCreated"
     PODS_RETIRED = "SurplusPodsDeleted"
     SPARE_PROMOTED = "SparePromoted"
+    RECOVERED = "Recovered"
+    ACCUSATION_IGNORED = "PeerReportIgnored"
+    NODES_PARTITIONED = "NodesNotReadyTogether"
 
 
 EXCLUSIVE = (ConditionType.READY, ConditionType.RECOVERING, ConditionType.FAILED, ConditionType.SUCCEEDED)
@@ -76,6 +81,7 @@ class Observation:
     spares_ready: int
     spares_wanted: int
     recoveries: int
+    committed_epoch: int = 0
     last_recovery_duration: float | None = None
     last_failure: FailureRecord | None = None
     step: int | None = None
@@ -172,6 +178,7 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
         ready=f"{obs.ready_workers}/{desired}",
         spares_ready=obs.spares_ready,
         recoveries=obs.recoveries,
+        committed_epoch=obs.committed_epoch,
         last_recovery_duration_seconds=obs.last_recovery_duration,
         last_failure=obs.last_failure,
         step=obs.step if obs.step is not None else old.step,

@@ -45,6 +45,9 @@ def test_operator_killed_mid_recovery_completes_it_after_restart(h: Harness, cra
     h.operators[0].stop()
     crashing = h.start_operator(MEGATRON_OPERATOR_CRASH_AT=crash_at, MEGATRON_OPERATOR_IDENTITY="crashing")
     wait_for(lambda: _lease_holder(h) == "crashing", T, "the second operator to lead")
+    # A restarted operator plans only once it heard from the running pods (or a few heartbeat
+    # intervals passed); the failure must land after that for the crash points to be in order.
+    wait_for(lambda: "heard from every running pod" in crashing.log_text(), T, "the operator to hear the agents")
     names_before = h.pod_names()
     victim = members[0]
     h.api.delete_pod(victim)

@@ -4,7 +4,9 @@
   kubeconfig, its log in a file (dumped when a test fails).
 - :class:`RecordingAgents`: stand-ins for the trainer agents. They serve the agent's plan endpoint
   at each pod's (loopback) address and record who received which plan and when, answer like an
-  agent would (409 for a stale epoch, 401/403 for a bad token), and can send heartbeats.
+  agent would (409 for a stale epoch, 401/403 for a bad token), and send heartbeats like an
+  agent: warm spare before a plan names the pod, then a training step after another (the
+  operator counts a job as training only then). A test mutes a pod to speak for it itself.
 - :func:`wait_for`: wait for a condition with a deadline (never a bare sleep).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -141,14 +144,23 @@ class RecordingAgents:
         self.held: dict[str, int] = {}  # pod -> epoch held
         self.received: list[Received] = []
         self.refuse: set[str] = set()  # addresses that answer 503 (an agent not up yet)
+        self.running: set[str] = set()  # pods running at the last sync
+        self.members: dict[str, set[str]] = {}  # pod -> members of the plan it holds
+        self.mute: set[str] = set()  # pods whose heartbeats the test sends itself (or withholds)
+        self.job_uid: str | None = None
+        self.operator_urls: list[str] = []
         self._lock = threading.Lock()
         self._session: ClientSession | None = None
+        self._beats: threading.Thread | None = None
+        self._beating = threading.Event()
 
     def _run(self, coro: Any, timeout: float = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def sync(self, pods: list[dict[str, Any]]) -> None:
         """Serve at the address of every running pod; a new pod at an old address starts with no plan."""
+        with self._lock:
+            self.running = {p["metadata"]["name"] for p in pods if (p.get("status") or {}).get("podIP")}
         for pod in pods:
             ip = (pod.get("status") or {}).get("podIP")
             name = pod["metadata"]["name"]
@@ -181,6 +193,7 @@ class RecordingAgents:
                     status = 409 if epoch <= self.held.get(pod or ip, 0) else 200
                     if status == 200:
                         self.held[pod or ip] = epoch
+                        self.members[pod or ip] = {m["pod"] for m in body["members"]}
             with self._lock:
                 self.received.append(Received(pod, ip, epoch, body["reason"],
                                               [m["pod"] for m in body["members"]], time.monotonic(), status))
@@ -210,17 +223,54 @@ class RecordingAgents:
         if failed_peers:
             report["failedPeers"] = failed_peers
 
-        async def send() -> tuple[int, Any]:
-            if self._session is None:
-                self._session = ClientSession(timeout=ClientTimeout(total=5))
-            async with self._session.post(f"{operator_url}{wire.OPERATOR_REPORT_PATH}", json=report,
-                                          headers={wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}"}) as resp:
-                return resp.status, await resp.json()
-
-        result: tuple[int, Any] = self._run(send())
+        result: tuple[int, Any] = self._run(self._post(operator_url, token, report))
         return result
 
+    def start_heartbeats(self, period: float = 0.25) -> None:
+        """Send every running, unmuted pod's heartbeat each ``period`` to every operator in
+        ``operator_urls``, once ``job_uid`` and the token are known: a spare before a plan names
+        the pod, afterwards a training step more each time."""
+        self._beating.set()
+        self._beats = threading.Thread(target=self._beat_loop, args=(period,), name="recording-heartbeats",
+                                       daemon=True)
+        self._beats.start()
+
+    def _beat_loop(self, period: float) -> None:
+        steps: dict[str, int] = {}
+        while self._beating.is_set():
+            time.sleep(period)
+            token, uid = self._token(), self.job_uid
+            if token is None or uid is None:
+                continue
+            reports = []
+            with self._lock:
+                for pod in sorted(self.running - self.mute):
+                    epoch = self.held.get(pod, 0)
+                    report: dict[str, Any] = {"jobUid": uid, "pod": pod, "epoch": epoch, "healthy": True}
+                    if pod in self.members.get(pod, set()):
+                        steps[pod] = steps.get(pod, 0) + 1
+                        report.update(state="training", step=steps[pod])
+                    else:
+                        report["state"] = "spare"
+                    reports.append(report)
+            if not reports:
+                continue
+            for url in list(self.operator_urls):
+                with contextlib.suppress(Exception):  # a standby or a stopped operator: no matter
+                    self._run(self._post(url, token, {"reports": reports}), timeout=5)
+
+    async def _post(self, operator_url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if self._session is None:
+            self._session = ClientSession(timeout=ClientTimeout(total=5))
+        async with self._session.post(f"{operator_url}{wire.OPERATOR_REPORT_PATH}", json=body,
+                                      headers={wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}"}) as resp:
+            return resp.status, await resp.json()
+
     def close(self) -> None:
+        self._beating.clear()
+        if self._beats is not None:
+            self._beats.join(10)
+
         async def shutdown() -> None:
             for runner in self._sites.values():
                 await runner.cleanup()
@@ -322,6 +372,7 @@ class Harness:
         self.nodes: list[str] = []
         self._token: str | None = None
         self.agents = RecordingAgents(self.token)
+        self.agents.start_heartbeats()
         self._stop = threading.Event()
         self._syncer = threading.Thread(target=self._sync_loop, daemon=True)
         self._syncer.start()
@@ -334,6 +385,9 @@ class Harness:
     def _sync_loop(self) -> None:
         while not self._stop.wait(0.05):
             try:
+                if self.agents.job_uid is None:
+                    self.agents.job_uid = ((self.api.get(f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}/{self.job}")
+                                            or {}).get("metadata") or {}).get("uid")
                 self.agents.sync(self.api.running_pods(self.job))
             except Exception as exc:  # the cluster may be busy; the next round retries
                 print(f"agent sync: {exc}", file=sys.stderr)
@@ -355,6 +409,7 @@ class Harness:
         op = OperatorProcess(self.cluster.kubeconfig, self.ns, self.tmp / f"operator-{len(self.operators)}.log",
                              **env).start()
         self.operators.append(op)
+        self.agents.operator_urls.append(op.url)
         return op
 
     def submit(self, **spec: Any) -> dict[str, Any]:

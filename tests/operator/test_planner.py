@@ -9,7 +9,10 @@ Scenarios:
 - grow back to ``replicas`` when pods return; nothing changes when nothing happened;
 - spec.replicas lowered with every pod healthy: whole replicas leave (resize, not a loss);
 - a recreated pod with the same name but another UID is not taken for the old one;
-- when no replica holds a shard any more, every rank reloads the checkpoint (or starts over).
+- when no replica holds a shard any more, every rank reloads the checkpoint (or starts over);
+- a plan that never trained delivered no state: its newcomers hold none in the next plan, so a
+  pod lost while the survivors were still joining falls back to those who kept theirs;
+- the rendezvous store lives with a member whose agent reported most recently.
 - property (hypothesis): for any valid spec and any sequence of failures, arrivals and changes of
   spec.replicas, every plan is a valid mesh (ranks unique and dense, TP groups inside a pod,
   world = tp*pp*cp*dp), epochs strictly increase, the global batch never changes, dp stays in
@@ -50,6 +53,40 @@ def test_initial_plan_gives_every_worker_ranks_and_init_state() -> None:
     assert all(s.kind is StateSourceKind.INIT for s in plan.sources())
     assert plan.rendezvous.store_prefix == f"{JOB_UID}/epoch-1"
     assert plan.resume_step == 0
+
+
+def test_newcomers_of_a_plan_that_never_trained_hold_nothing() -> None:
+    # TP2 on two GPUs per pod: p0 and p1 are the two replicas; the spare p2 replaces p0.
+    spec = make_spec(replicas=2, min_replicas=1, spares=2, tp=2, gpus_per_pod=2)
+    pods = make_pod_refs(4)
+    plan = _initial(spec, pods[:2])
+    first = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:], ["p0"], plan, resume_step=9).plan
+    assert first is not None and first.member("p2") is not None
+    assert {first.source_of(r).kind for r in first.member("p2").ranks} == {StateSourceKind.PEER}  # type: ignore[union-attr]
+    # p1, the only keeper, is lost before epoch 2 committed a step: p2 never received its state.
+    untrained = plan_mesh(spec, JOB_UID, [pods[2]], [pods[3]], ["p0", "p1"], first, resume_step=9,
+                          checkpoint_step=5, previous_trained=False).plan
+    assert untrained is not None and untrained.default_source is StateSourceKind.CHECKPOINT
+    assert untrained.resume_step == 5
+    # Had epoch 2 trained, p2 would hold the state and give it to the newcomer.
+    trained = plan_mesh(spec, JOB_UID, [pods[2]], [pods[3]], ["p0", "p1"], first, resume_step=9,
+                        checkpoint_step=5, previous_trained=True).plan
+    assert trained is not None and trained.default_source is StateSourceKind.SELF
+    assert trained.resume_step == 9
+
+
+def test_the_store_goes_to_the_member_that_reported_most_recently() -> None:
+    spec = make_spec(replicas=3, spares=1)
+    pods = make_pod_refs(4)
+    plan = _initial(spec, pods[:3])
+    # p0 is the first keeper, but only p2's and p3's agents reported lately (p1 died a moment ago).
+    new = plan_mesh(spec, JOB_UID, [pods[1], pods[2]], [pods[3]], ["p0"], plan,
+                    store_hosts=["p3", "p2"]).plan
+    assert new is not None and new.rendezvous.host == pods[2].address  # a fresh keeper before a newcomer
+    only_new = plan_mesh(spec, JOB_UID, [pods[1], pods[2]], [pods[3]], ["p0"], plan, store_hosts=["p3"]).plan
+    assert only_new is not None and only_new.rendezvous.host == pods[3].address  # fresh beats kept-but-quiet
+    unknown = plan_mesh(spec, JOB_UID, [pods[1], pods[2]], [pods[3]], ["p0"], plan).plan
+    assert unknown is not None and unknown.rendezvous.host == pods[1].address  # nothing known: a keeper
 
 
 def test_initial_plan_waits_for_enough_pods() -> None:

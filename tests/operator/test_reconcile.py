@@ -8,6 +8,11 @@ a consumed spare is replaced and pods on their way are not created twice; loweri
 resizes the mesh, deletes the surplus pods (no failure, no recovery) and their going is not a
 failure afterwards; maxRecoveries ends the job; members that succeeded end it Succeeded and
 release the spares; phases of a running job.
+Liveness: only pods whose agents reported warm workers join a plan (a cold spare is not
+promoted: the job shrinks); a failed-peer report is acted on only when plausible and corroborated;
+most nodes NotReady at once fail no pod; plans made while a recovery is under way do not spend
+the recovery budget, but a recovery that never converges ends; losing every holder of trained state
+with no checkpoint fails the job (StateLost) instead of silently starting over.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from megatron_contract.mesh import PlanReason
 from megatron_operator.failures import Failure, FailureReason, PodFacts
 from megatron_operator.heartbeats import Accusation
 from megatron_operator.planner import Outcome
-from megatron_operator.reconcile import AgentSignals, assess, is_recovery, phase_of
+from megatron_operator.reconcile import (
+    AgentSignals,
+    assess,
+    is_recovery,
+    max_plans_per_recovery,
+    phase_of,
+    recovery_open,
+)
 from megatron_operator.status import Reason
 
 SPEC = make_spec(replicas=2, spares=1, min_replicas=1, max_recoveries=5)
@@ -87,7 +99,7 @@ def test_deleted_member_is_replaced_by_the_spare_and_a_new_spare_is_made() -> No
 
 def test_agent_signals_are_failures() -> None:
     status, pods = _running_job()
-    signals = AgentSignals(silent=["job-2"], unhealthy=["job-1"],
+    signals = AgentSignals(silent=["job-2"], unhealthy=["job-1"], quiet=["job-0"],
                            accusations=[Accusation(1, "job-1", None, 0, "allreduce timed out"),
                                         Accusation(0, "job-1", "job-1", None, "old epoch, ignored")])
     a = assess(SPEC, JOB_UID, status, pods, NODES, signals, {})
@@ -129,7 +141,7 @@ def test_phase_of() -> None:
     plan = status.plan
     assert phase_of(None, False, False, False) == (JobPhase.PENDING, Reason.WAITING_FOR_PODS)
     assert phase_of(None, False, False, True)[0] is JobPhase.STARTING
-    assert phase_of(plan, False, False, True) == (JobPhase.STARTING, Reason.PUSHING_PLAN)
+    assert phase_of(plan, False, False, True) == (JobPhase.STARTING, Reason.WAITING_FOR_FIRST_STEP)
     assert phase_of(plan, True, False, True)[0] is JobPhase.RUNNING
     assert phase_of(plan, True, True, True)[0] is JobPhase.DEGRADED
     assert plan is not None
@@ -167,3 +179,119 @@ def test_lowering_replicas_resizes_and_deletes_the_surplus() -> None:
                 if p.name in a.retire else p for p in pods]
     c = assess(smaller, JOB_UID, resized, labelled, NODES, AgentSignals(), {})
     assert c.failures == () and c.delete == () and (c.create_workers, c.create_spares) == (0, 0)
+
+
+def test_a_peer_report_needs_a_member_reporter_and_corroboration() -> None:
+    status, pods = _running_job()
+    lone = Accusation(1, "job-1", "job-0", None, "allreduce failed")
+    a = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(accusations=[lone]), {})
+    assert a.failures == () and a.doubted == (lone,) and a.delete == ()
+    # The spare is no member of epoch 1: it shares no group with job-0.
+    outsider = Accusation(1, "job-2", "job-0", None, "says so")
+    b = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(accusations=[outsider], quiet=["job-0"]), {})
+    assert b.failures == () and b.doubted == (outsider,)
+    # Corroborated by the accused's own silence, or by a second member.
+    c = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(accusations=[lone], quiet=["job-0"]), {})
+    assert [(f.pod, f.reason) for f in c.failures] == [("job-0", FailureReason.PEER_REPORTED)]
+    three = _pods("job-0", "job-1", "job-3") + _pods("job-2", role="spare")
+    spec3 = make_spec(replicas=3, spares=1, min_replicas=1)
+    plan3 = assess(spec3, JOB_UID, MegatronJobStatus(), three, NODES, AgentSignals(), {}).plan
+    assert plan3 is not None
+    status3 = MegatronJobStatus(phase=JobPhase.RUNNING, plan=plan3, epoch=1, committed_epoch=1)
+    two = [lone, Accusation(1, "job-3", "job-0", None, "allreduce failed")]
+    d = assess(spec3, JOB_UID, status3, three, NODES, AgentSignals(accusations=two), {})
+    assert [f.pod for f in d.failures] == ["job-0"] and d.doubted == ()
+
+
+def test_most_nodes_not_ready_at_once_fail_no_pod() -> None:
+    pods = [PodFacts.of(make_pod(f"job-{i}", role="worker" if i < 2 else "spare", index=i, ip=f"127.64.0.{i + 1}",
+                                 node=f"gpu-{i}")) for i in range(3)]
+    nodes = {f"gpu-{i}": "True" for i in range(3)}
+    plan = assess(SPEC, JOB_UID, MegatronJobStatus(), pods, nodes, AgentSignals(), {}).plan
+    assert plan is not None
+    status = MegatronJobStatus(phase=JobPhase.RUNNING, plan=plan, epoch=1, committed_epoch=1)
+    partitioned = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"},
+                         AgentSignals(), {})
+    assert partitioned.failures == () and partitioned.delete == ()
+    assert partitioned.partition is not None and "2 of the job's 3 nodes" in partitioned.partition
+    # Heartbeats still decide: a silent pod on a NotReady node fails.
+    silent = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"},
+                    AgentSignals(silent=["job-1"]), {})
+    assert [(f.pod, f.reason) for f in silent.failures] == [("job-1", FailureReason.HEARTBEAT_MISSING)]
+    # One node of three is a node failure.
+    one = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {})
+    assert [(f.pod, f.reason) for f in one.failures] == [("job-0", FailureReason.NODE_NOT_READY)]
+    assert one.partition is None
+
+
+def test_only_warm_pods_join_a_plan() -> None:
+    pods = _pods("job-0", "job-1") + _pods("job-2", role="spare")
+    cold = assess(SPEC, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(warm=["job-0"]), {})
+    assert cold.decision is None  # job-1 and job-2 run, but their workers are not warm yet
+    either = assess(SPEC, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(warm=["job-0", "job-2"]), {})
+    assert either.plan is not None and {m.pod for m in either.plan.members} == {"job-0", "job-2"}
+    status, pods = _running_job()
+    left = [p for p in pods if p.name != "job-0"]
+    # The spare runs but its agent has not reported warm workers: no promotion, the mesh shrinks.
+    a = assess(SPEC, JOB_UID, status, left, NODES, AgentSignals(warm=[]), {})
+    assert a.plan is not None and a.plan.reason is PlanReason.SHRINK and a.spares_ready == 0
+    assert {m.pod for m in a.plan.members} == {"job-1"}
+    b = assess(SPEC, JOB_UID, status, left, NODES, AgentSignals(warm=["job-2"]), {})
+    assert b.plan is not None and b.plan.reason is PlanReason.REPLACE and b.spares_ready == 0
+    assert {m.pod for m in b.plan.members} == {"job-1", "job-2"}
+
+
+def test_plans_made_while_a_recovery_is_under_way_are_one_recovery() -> None:
+    status, pods = _running_job()
+    trained = status.model_copy(update={"committed_epoch": 1, "recoveries": 5})
+    assert not recovery_open(trained)
+    left = [p for p in pods if p.name != "job-0"]
+    ended = assess(SPEC, JOB_UID, trained, left, NODES, AgentSignals(), {})
+    assert ended.terminal is not None and ended.terminal.reason == Reason.MAX_RECOVERIES
+    # The budget was spent by this very recovery (epoch 2 has not trained): losing another pod
+    # while it is under way makes another plan of the same recovery.
+    budget_spent = MegatronJobStatus(phase=JobPhase.RUNNING, plan=_running_job()[0].plan, epoch=1, committed_epoch=1,
+                                     recoveries=4)
+    first = assess(SPEC, JOB_UID, budget_spent, left, NODES, AgentSignals(), {})
+    assert first.plan is not None and first.plan.reason is PlanReason.REPLACE
+    under_way = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=first.plan, epoch=2, committed_epoch=1,
+                                  recoveries=5)
+    assert recovery_open(under_way)
+    spare = _pods("job-3", role="spare")
+    again = assess(SPEC, JOB_UID, under_way, [p for p in left if p.name != "job-2"] + spare, NODES, AgentSignals(),
+                   {"job-0": Failure("job-0", FailureReason.POD_DELETED, "")})
+    assert again.terminal is None and again.plan is not None and again.plan.epoch == 3
+    # ... but not forever.
+    cap = max_plans_per_recovery(SPEC)
+    stuck = under_way.model_copy(update={"plan": first.plan.model_copy(update={"epoch": 1 + cap})})  # type: ignore[union-attr]
+    never = assess(SPEC, JOB_UID, stuck, [p for p in left if p.name != "job-2"] + spare, NODES, AgentSignals(),
+                   {"job-0": Failure("job-0", FailureReason.POD_DELETED, "")})
+    assert never.terminal is not None and never.terminal.reason == Reason.RECOVERY_NOT_CONVERGING
+
+
+def test_a_restarted_operator_waits_for_first_reports_before_replanning() -> None:
+    status, pods = _running_job()
+    left = [p for p in pods if p.name != "job-0"]
+    # Nobody has reported yet, so the spare does not look warm: planning now would shrink.
+    waiting = assess(SPEC, JOB_UID, status, left, NODES, AgentSignals(warm=[]), {}, settling=True)
+    assert [f.pod for f in waiting.failures] == ["job-0"]  # the failure is known and its pod handled
+    assert waiting.decision is not None and waiting.decision.outcome is Outcome.UNCHANGED
+    assert waiting.plan is status.plan
+    heard = assess(SPEC, JOB_UID, status, left, NODES, AgentSignals(warm=["job-2"]), {})
+    assert heard.plan is not None and heard.plan.reason is PlanReason.REPLACE
+
+
+def test_losing_every_holder_of_trained_state_fails_the_job_instead_of_starting_over() -> None:
+    status, pods = _running_job()
+    spare_only = [p for p in pods if p.role == "spare"]
+    # Before any step was trained, a fresh start loses nothing: the spare starts the job over.
+    fresh = assess(SPEC, JOB_UID, status, spare_only, NODES, AgentSignals(), {})
+    assert fresh.terminal is None and fresh.plan is not None and fresh.plan.resume_step == 0
+    # After 12 steps, with no checkpoint, it would discard them: the job fails and says why.
+    trained = status.model_copy(update={"step": 12})
+    lost = assess(SPEC, JOB_UID, trained, spare_only, NODES, AgentSignals(), {})
+    assert lost.terminal is not None and lost.terminal.phase is JobPhase.FAILED
+    assert lost.terminal.reason == Reason.STATE_LOST and "12 trained steps" in lost.terminal.message
+    # With a checkpoint, the spare reloads it.
+    reload = assess(SPEC, JOB_UID, trained, spare_only, NODES, AgentSignals(), {}, checkpoint_step=10)
+    assert reload.terminal is None and reload.plan is not None and reload.plan.resume_step == 10

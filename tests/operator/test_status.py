@@ -33,7 +33,7 @@ def _conds(status: MegatronJobStatus) -> dict[str, tuple[str, str, datetime]]:
 
 
 def test_exclusive_conditions_flip_together() -> None:
-    running = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, Reason.PLAN_ACKNOWLEDGED), T0)
+    running = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, Reason.TRAINING), T0)
     c = _conds(running)
     assert c["Ready"][0] == "True" and c["Recovering"][0] == "False"
     recovering = compute_status(running, _obs(JobPhase.RECOVERING, Reason.RECOVERING), T0 + timedelta(seconds=5))

@@ -38,6 +38,7 @@ def test_lifecycle_allows_the_recovery_path() -> None:
         WorkerState.RECONFIGURING,
         WorkerState.TRAINING,
         WorkerState.RECONFIGURING,
+        WorkerState.RECONFIGURING,  # a newer plan overtook the join
         WorkerState.SPARE,
     ]
     state = path[0]

@@ -89,6 +89,7 @@ class CollectiveFailed(WireModel):
     type: Literal["collective_failed"] = "collective_failed"
     epoch: int
     peer_rank: int | None = None
+    peer_pod: str | None = None  # when the suspect is a pod rather than a rank (the rendezvous store host)
     reason: str
 
 

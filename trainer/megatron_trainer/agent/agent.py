@@ -236,9 +236,12 @@ class Agent:
     def _on_progress(self, handle: WorkerHandle, progress: Progress) -> None:
         if progress.epoch != self.epoch:
             return  # a step of an epoch the agent no longer holds: liveness only
+        first = handle.progress is None or handle.progress.epoch != progress.epoch
         if handle.phase is not WorkerPhase.TRAINING:
             self._move(handle, WorkerPhase.TRAINING)
         handle.progress = progress
+        if first and self.heartbeat is not None:
+            self.heartbeat.send_soon()  # the epoch's first committed step: the operator ends a recovery on it
         if handle.local_rank == self._reporting_rank():
             self.metrics.step_time.observe(progress.step_time_seconds)
             self.metrics.last_step_time.set(progress.step_time_seconds)
@@ -269,8 +272,8 @@ class Agent:
 
     def _on_collective_failed(self, handle: WorkerHandle, message: CollectiveFailed) -> None:
         self.metrics.collective_failures.inc()
-        pod = None
-        if message.peer_rank is not None and self.plan is not None and message.epoch == self.epoch:
+        pod = message.peer_pod
+        if pod is None and message.peer_rank is not None and self.plan is not None and message.epoch == self.epoch:
             pod = self.plan.pod_of_rank().get(message.peer_rank)
         log.warning(
             "worker %d: collective failed in epoch %d (peer rank %s, pod %s): %s",

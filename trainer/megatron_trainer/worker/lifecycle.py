@@ -20,8 +20,16 @@ class WorkerState(enum.StrEnum):
 _ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.STARTING: frozenset({WorkerState.SPARE, WorkerState.FAILED}),
     WorkerState.SPARE: frozenset({WorkerState.RECONFIGURING, WorkerState.SPARE, WorkerState.FAILED}),
+    # RECONFIGURING -> RECONFIGURING: a newer plan overtook a join in progress.
     WorkerState.RECONFIGURING: frozenset(
-        {WorkerState.TRAINING, WorkerState.SPARE, WorkerState.WAITING, WorkerState.SUCCEEDED, WorkerState.FAILED}
+        {
+            WorkerState.RECONFIGURING,
+            WorkerState.TRAINING,
+            WorkerState.SPARE,
+            WorkerState.WAITING,
+            WorkerState.SUCCEEDED,
+            WorkerState.FAILED,
+        }
     ),
     WorkerState.TRAINING: frozenset(
         {WorkerState.RECONFIGURING, WorkerState.WAITING, WorkerState.SUCCEEDED, WorkerState.FAILED}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -27,7 +28,74 @@ from megatron_contract.mesh import MeshPlan
 
 log = logging.getLogger(__name__)
 
-STORE_CONNECT_TIMEOUT = timedelta(seconds=60)
+# Every wait of a join is cut into slices this long, so that a newer plan stops it promptly: a
+# worker blocked for a minute connecting to a store that died with its pod would miss the plan
+# that replaced it, and its peers would wait for it.
+POLL = timedelta(seconds=0.25)
+
+
+class Superseded(RuntimeError):
+    """A newer plan arrived while this epoch was being joined: the join is abandoned."""
+
+
+class RendezvousFailed(RuntimeError):
+    """The epoch could not be joined. ``store_host`` is set when its store was unreachable,
+    ``missing`` holds the ranks that never arrived: whom to suspect, for the operator."""
+
+    def __init__(self, message: str, *, store_host: str | None = None, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.store_host = store_host
+        self.missing = tuple(missing)
+
+
+Interrupted = Callable[[], bool]
+
+
+def _connect_store(host: str, port: int, deadline_seconds: float, interrupted: Interrupted) -> dist.TCPStore:
+    deadline = time.monotonic() + deadline_seconds
+    while True:
+        if interrupted():
+            raise Superseded(f"a newer plan arrived while connecting to the store at {host}:{port}")
+        try:
+            return dist.TCPStore(host, port, is_master=False, timeout=POLL)
+        except (dist.DistError, RuntimeError) as err:
+            if time.monotonic() > deadline:
+                raise RendezvousFailed(
+                    f"the rendezvous store at {host}:{port} was unreachable for {deadline_seconds:.0f}s: {err}",
+                    store_host=host,
+                ) from err
+
+
+def wait_for_ranks(
+    store: dist.Store, prefix: str, ranks: Sequence[int], deadline_seconds: float, interrupted: Interrupted, what: str
+) -> None:
+    """Wait until the key ``{prefix}/{rank}`` of every rank exists, in short slices that check
+    ``interrupted``.
+
+    Raises:
+        Superseded: ``interrupted()`` became true.
+        RendezvousFailed: the deadline passed (``missing``: the ranks whose key is absent), or the
+            store went away (``store_host`` is set to ``"store"``).
+    """
+    keys = [f"{prefix}/{r}" for r in ranks]
+    deadline = time.monotonic() + deadline_seconds
+    while True:
+        if interrupted():
+            raise Superseded(f"a newer plan arrived while waiting for {what}")
+        try:
+            store.wait(list(keys), POLL)
+            return
+        except dist.DistNetworkError as err:
+            raise RendezvousFailed(f"the rendezvous store went away while waiting for {what}: {err}",
+                                   store_host="store") from err
+        except (dist.DistError, RuntimeError) as err:
+            if time.monotonic() <= deadline:
+                continue
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+            raise RendezvousFailed(
+                f"{len(missing)} of {len(keys)} ranks missing after {deadline_seconds:.0f}s waiting for {what}",
+                missing=missing,
+            ) from err
 
 
 def join_spare_world(spec: MegatronJobSpec, local_rank: int) -> None:
@@ -45,27 +113,45 @@ def join_spare_world(spec: MegatronJobSpec, local_rank: int) -> None:
     )
 
 
-def join_epoch(plan: MeshPlan, rank: int, backend: str, collective_timeout_seconds: float) -> dist.Store:
+def join_epoch(
+    plan: MeshPlan, rank: int, backend: str, collective_timeout_seconds: float, interrupted: Interrupted
+) -> dist.Store:
     """Initialize torch.distributed and Megatron's parallel state for ``rank`` of ``plan``.
+
+    The ranks first meet in the store (each sets its key, then waits for all): only when every
+    rank arrived do they create groups, whose creation blocks without a way out. Until then every
+    wait is sliced, so a newer plan (``interrupted``) ends the join within :data:`POLL`.
 
     Args:
         plan: the epoch's plan (sizes and rendezvous).
         rank: this worker's global rank in the plan.
         backend: ``nccl`` on GPU, ``gloo`` on CPU.
-        collective_timeout_seconds: on gloo the groups' timeout (a collective stuck this long
-            raises). On NCCL the worker's own watchdog acts at this limit, so torch's timeout is
-            set well past it: torch's watchdog reacting first starts its debug dump across ranks,
-            which left a rank that survived a hung peer stuck at its next teardown.
+        collective_timeout_seconds: how long to wait for the store and for the other ranks; on
+            gloo also the groups' timeout (a collective stuck this long raises). On NCCL the
+            worker's own watchdog acts at this limit, so torch's timeout is set well past it:
+            torch's watchdog reacting first starts its debug dump across ranks, which left a rank
+            that survived a hung peer stuck at its next teardown.
+        interrupted: true once a newer plan makes this one moot.
 
     Returns:
         The epoch's prefixed store, for small agreements that need no communicator.
+
+    Raises:
+        Superseded: a newer plan arrived.
+        RendezvousFailed: the store was unreachable, or some ranks never arrived.
     """
     from megatron.core import parallel_state
 
     rdzv = plan.rendezvous
-    client = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, timeout=STORE_CONNECT_TIMEOUT)
-    store = dist.PrefixStore(rdzv.store_prefix + "/", client)
     limit = collective_timeout_seconds
+    client = _connect_store(rdzv.host, rdzv.port, limit, interrupted)
+    store = dist.PrefixStore(rdzv.store_prefix + "/", client)
+    store.set(f"arrived/{rank}", "1")
+    # A survivor may reach the join only after its failed step's collective timed out (up to the
+    # limit): wait well past that before suspecting the ranks that did not come.
+    wait_for_ranks(store, "arrived", range(plan.sizes.world), 2 * limit + 10, interrupted,
+                   f"the {plan.sizes.world} ranks of epoch {plan.epoch}")
+    client.set_timeout(timedelta(seconds=limit))  # from here on the store serves group creation
     timeout = timedelta(seconds=limit if backend == "gloo" else max(2 * limit, limit + 60))
     dist.init_process_group(backend, store=store, rank=rank, world_size=plan.sizes.world, timeout=timeout)
     parallel_state.initialize_model_parallel(

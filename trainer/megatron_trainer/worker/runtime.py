@@ -56,7 +56,7 @@ from megatron_trainer.worker.model import (
 from megatron_trainer.worker.peer_restore import restore_from_peers
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.step import StepAborted, guard_commit, train_step
-from megatron_trainer.worker.verify import verify_state
+from megatron_trainer.worker.verify import StateMismatch, verify_state
 
 log = logging.getLogger("megatron_trainer.worker")
 
@@ -166,8 +166,12 @@ class Worker:
             self._pending = plan
             self._plan_ready.notify_all()
             # A plan that resumes at a step already reached interrupts now; one that names a
-            # later step (growth at a boundary) lets training run until that step.
-            urgent = self.state is WorkerState.TRAINING and plan.resume_step <= self._completed
+            # later step (growth at a boundary) lets training run until that step. A worker still
+            # joining an epoch (connecting, waiting for peers, restoring) drops it for the newer
+            # one at once: that epoch may never come together (a member died meanwhile).
+            urgent = (
+                self.state is WorkerState.TRAINING and plan.resume_step <= self._completed
+            ) or self.state is WorkerState.RECONFIGURING
         if urgent:
             self._interrupt(f"new plan epoch {plan.epoch}")
 
@@ -265,7 +269,7 @@ class Worker:
 
         After an abort on NCCL the groups are forgotten, not destroyed: destroying would wait
         ~1 s for the aborts to finish (worker/abort.py)."""
-        if self.ts is None and self.epoch == 0:
+        if self.ts is None and self.epoch == 0 and not dist.is_initialized():
             return
         start = time.perf_counter()
         if self.ts is not None:
@@ -308,54 +312,73 @@ class Worker:
         source = plan.source_of(self.rank)
         coords = plan.sizes.coords_of(self.rank)
 
-        t = time.perf_counter()
-        self.store = rendezvous.join_epoch(
-            plan, self.rank, self.backend, self.spec.failure_detection.collective_timeout_seconds
-        )
-        self.epoch = plan.epoch
-        phases["rendezvous"] = time.perf_counter() - t
+        interrupted = self._superseded_check(plan.epoch)
+        ts: TrainState | None = None
+        adopted = False
+        try:
+            t = time.perf_counter()
+            self.epoch = plan.epoch  # from here on _teardown releases whatever the join created
+            self.store = rendezvous.join_epoch(
+                plan, self.rank, self.backend, self.spec.failure_detection.collective_timeout_seconds, interrupted
+            )
+            phases["rendezvous"] = time.perf_counter() - t
+            self._out_of_step.clear()  # collectives from here on: an interrupt may need to abort them
 
-        t = time.perf_counter()
-        connecting = rendezvous.connect_communicators(self.device)
-        if source.kind is not StateSourceKind.SELF:
-            # Free the warm (or stale) state first: the new build then reuses its blocks from
-            # the caching allocator instead of paying for ~1000 fresh cudaMalloc calls.
+            t = time.perf_counter()
+            connecting = rendezvous.connect_communicators(self.device)
+            if source.kind is not StateSourceKind.SELF:
+                # Free the warm (or stale) state first: the new build then reuses its blocks from
+                # the caching allocator instead of paying for ~1000 fresh cudaMalloc calls.
+                self.held = None
+            ts = build_train_state(
+                self.spec,
+                self.device,
+                initialize=source.kind is StateSourceKind.INIT,
+                before_collectives=connecting.join if connecting else None,
+            )
+            if source.kind is StateSourceKind.SELF:
+                if self.held is None:
+                    raise RuntimeError(
+                        f"plan epoch {plan.epoch} says rank {self.rank} keeps its state, but it holds none"
+                    )
+                adopt_state(ts, self.held)
+                adopted = True
+            elif source.kind is StateSourceKind.INIT:
+                # GPU initialization draws from per-device generators; like Megatron's own training
+                # loop, make every DP replica start from DP rank 0's weights.
+                sync_initial_weights(ts)
             self.held = None
-        ts = build_train_state(
-            self.spec,
-            self.device,
-            initialize=source.kind is StateSourceKind.INIT,
-            before_collectives=connecting.join if connecting else None,
-        )
-        if source.kind is StateSourceKind.SELF:
-            if self.held is None:
-                raise RuntimeError(f"plan epoch {plan.epoch} says rank {self.rank} keeps its state, but it holds none")
-            adopt_state(ts, self.held)
-        elif source.kind is StateSourceKind.INIT:
-            # GPU initialization draws from per-device generators; like Megatron's own training
-            # loop, make every DP replica start from DP rank 0's weights.
-            sync_initial_weights(ts)
-        self.held = None
-        guard_commit(ts, self._aborted.is_set, self.device)
-        phases["rebuild"] = time.perf_counter() - t
-        phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
+            guard_commit(ts, self._aborted.is_set, self.device)
+            phases["rebuild"] = time.perf_counter() - t
+            phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
-        t = time.perf_counter()
-        moved = restore_from_peers(ts, plan, self.device, phases)
-        if StateSourceKind.CHECKPOINT in plan.source_kinds():
-            if self.spec.checkpoint is None:
-                raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
-            step = plan.source_of(self.rank).checkpoint_step
-            step = step if step is not None else plan.resume_step
-            checkpoint.load_checkpoint(ts, self.spec.checkpoint.path, step)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        phases["restore"] = time.perf_counter() - t
+            t = time.perf_counter()
+            moved = restore_from_peers(ts, plan, self.device, phases)
+            if StateSourceKind.CHECKPOINT in plan.source_kinds():
+                if self.spec.checkpoint is None:
+                    raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
+                step = plan.source_of(self.rank).checkpoint_step
+                step = step if step is not None else plan.resume_step
+                checkpoint.load_checkpoint(ts, self.spec.checkpoint.path, step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            phases["restore"] = time.perf_counter() - t
 
-        t = time.perf_counter()
-        assert self.store is not None
-        checksum = verify_state(ts, plan, self.rank, self.store)
-        phases["verify"] = time.perf_counter() - t
+            t = time.perf_counter()
+            assert self.store is not None
+            checksum = verify_state(ts, plan, self.rank, self.store, interrupted)
+            phases["verify"] = time.perf_counter() - t
+        except (rendezvous.Superseded, rendezvous.RendezvousFailed, RuntimeError) as err:
+            joining = isinstance(err, rendezvous.Superseded | rendezvous.RendezvousFailed)
+            if not joining and (isinstance(err, StateMismatch) or not (interrupted() or is_collective_error(err))):
+                raise  # wrong state or a bug: no other plan would fix it
+            if adopted and ts is not None:
+                self.held = detach_state(ts)  # a keeper keeps its state for the next plan
+            del ts
+            self._abandon_join(plan, err)
+            return
+        finally:
+            self._out_of_step.set()
         self.ts = ts
         with self._lock:
             self._completed = ts.step
@@ -440,6 +463,41 @@ class Worker:
                 checkpoint.save_checkpoint(ts, ck.path)
                 self.send(CheckpointSaved(epoch=plan.epoch, step=ts.step))
         self._move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
+
+    def _superseded_check(self, epoch: int) -> rendezvous.Interrupted:
+        """True once the join of ``epoch`` is moot: interrupted, or a newer plan is waiting."""
+
+        def superseded() -> bool:
+            with self._lock:
+                pending = self._pending
+            return self._aborted.is_set() or (pending is not None and pending.epoch > epoch)
+
+        return superseded
+
+    def _abandon_join(self, plan: MeshPlan, err: BaseException) -> None:
+        """The join of ``plan`` failed or was overtaken: release what it created and, unless a
+        newer plan ended it, tell the agent whom to suspect (the store's pod, or the ranks that
+        never arrived), then wait for the next plan. The process lives on: a join that cannot
+        complete is the epoch's failure, not this worker's."""
+        self._aborted.set()  # late commits of this epoch must refuse
+        self._teardown(aborted=True)
+        with self._lock:
+            newer = self._pending is not None and self._pending.epoch > plan.epoch
+        if newer or isinstance(err, rendezvous.Superseded):
+            log.info("epoch %d abandoned for a newer plan: %s", plan.epoch, err)
+            return
+        log.warning("epoch %d could not be joined: %s", plan.epoch, err)
+        suspects: list[tuple[int | None, str | None]] = []
+        if isinstance(err, rendezvous.RendezvousFailed):
+            if err.store_host is not None:
+                host = next((m.pod for m in plan.members if m.address == plan.rendezvous.host), None)
+                suspects.append((None, host))
+            pod_of = plan.pod_of_rank()
+            for pod in dict.fromkeys(pod_of[r] for r in err.missing if r in pod_of):
+                suspects.append((None, pod))
+        for rank, pod in suspects[:8] or [(None, None)]:
+            self.send(CollectiveFailed(epoch=plan.epoch, peer_rank=rank, peer_pod=pod, reason=str(err)[:1000]))
+        self._move(WorkerState.WAITING, str(err)[:200], epoch=plan.epoch)
 
     def _on_step_failure(self, plan: MeshPlan, failure: str) -> None:
         """The step failed or was aborted: discard it, free the groups, and report when it was

@@ -18,23 +18,28 @@ drops and repeats no sample. It is kept, with a warning when it differs from the
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from megatron_contract.mesh import MeshPlan, StateSourceKind
 from megatron_trainer.worker.model import TrainState, state_checksum
+from megatron_trainer.worker.rendezvous import Interrupted, wait_for_ranks
 
 log = logging.getLogger(__name__)
-VERIFY_TIMEOUT = timedelta(seconds=120)
+VERIFY_TIMEOUT_SECONDS = 120.0
 
 
 class StateMismatch(RuntimeError):
     """Restored state disagrees across the group; training must not resume on it."""
 
 
-def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store) -> int:
-    """Publish (step, checksum) and compare with the DP and MP groups; returns the checksum."""
+def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, interrupted: Interrupted) -> int:
+    """Publish (step, checksum) and compare with the DP and MP groups; returns the checksum.
+
+    Raises:
+        StateMismatch: the group disagrees.
+        Superseded, RendezvousFailed: a newer plan arrived, or peers never published.
+    """
     from megatron.core import parallel_state
 
     checksum = state_checksum(ts)
@@ -43,7 +48,7 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store) -
     mp_peers = dist.get_process_group_ranks(parallel_state.get_model_parallel_group())
     peers = sorted(set(dp_peers) | set(mp_peers))
     keys = [f"verify/{r}" for r in peers]
-    store.wait(keys, VERIFY_TIMEOUT)
+    wait_for_ranks(store, "verify", peers, VERIFY_TIMEOUT_SECONDS, interrupted, "the peers' restored state")
     seen = {r: tuple(int(x) for x in v.decode().split(",")) for r, v in zip(peers, store.multi_get(keys), strict=True)}
     steps = {s for s, _ in seen.values()}
     if len(steps) > 1:

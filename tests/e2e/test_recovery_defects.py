@@ -1,0 +1,211 @@
+"""Recovery through the whole stack when failures combine or land at bad moments: the real
+operator (subprocess), the local control plane, process nodes running the real trainer agents and
+Megatron-Core workers on CPU/gloo.
+
+Scenarios (each a defect once found on main):
+- two workers SIGKILLed at the same instant, one spare: the job recovers (one recovery, not a
+  cascade of blamed newcomers), succeeds, and every step consumed exactly its global batch once;
+- the spare SIGKILLed while it is being promoted (the survivors still joining): the job recovers
+  and succeeds, one recovery;
+- a failed-peer report that nobody corroborates (a pod's token accusing a healthy peer): no pod
+  is deleted, the epoch stays, the report is announced as ignored;
+- every node NotReady at once while the pods keep running (a partition): no pod fails, training
+  goes on, and after the nodes return the job succeeds without a recovery.
+The operator's log, the job, the pods and each pod's log tail are printed when a test fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_support import JOBS, dump, job_status, make_elastic_job, wait_for
+
+from localcluster.cluster import LocalCluster
+from localcluster.nodeagent import NodeAgent
+from localcluster.operator_run import running_operator
+from megatron_contract import wire
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+POOL = "defects"
+
+
+@pytest.fixture(scope="module")
+def nodes(local_cluster: LocalCluster) -> NodeAgent:
+    return local_cluster.add_process_nodes(6, gpus_per_node=1, prefix=POOL)
+
+
+def _job(name: str, samples: Path, **spec: Any) -> dict[str, Any]:
+    spec.setdefault("training", {"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 60, "lr": 0.001,
+                                 "seed": 7})
+    samples.mkdir(parents=True, exist_ok=True)
+    return make_elastic_job(name, pool=POOL, env=[{"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(samples)}],
+                            **spec)
+
+
+def _submit(cluster: LocalCluster, namespace: str, job: dict[str, Any]) -> None:
+    code, body = cluster.request("POST", JOBS.format(ns=namespace), job)
+    assert code == 201, body
+
+
+def _events(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    code, body = cluster.request("GET", f"/api/v1/namespaces/{namespace}/events")
+    assert code == 200, body
+    items: list[dict[str, Any]] = body["items"]
+    return items
+
+
+def _check_samples(samples: Path, iters: int, global_batch: int, show: Callable[[], str]) -> None:
+    """Every step 0..iters-1 committed in one epoch, with exactly samples [step*G, (step+1)*G)."""
+    by_step: dict[int, list[int]] = {}
+    epochs: dict[int, set[int]] = {}
+    for path in samples.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            by_step.setdefault(r["step"], []).extend(r["samples"])
+            epochs.setdefault(r["step"], set()).add(r["epoch"])
+    assert sorted(by_step) == list(range(iters)), f"steps committed: {sorted(by_step)}\n{show()}"
+    for step, got in sorted(by_step.items()):
+        want = list(range(step * global_batch, (step + 1) * global_batch))
+        assert sorted(got) == want, f"step {step} consumed {sorted(got)}, not {want}\n{show()}"
+        assert len(epochs[step]) == 1, f"step {step} committed in epochs {epochs[step]}\n{show()}"
+
+
+def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show: Callable[[], str]) -> dict[str, Any]:
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (s := job_status(cluster, namespace, name)).get("phase") == "Running" and s.get("epoch") == epoch
+        and s.get("step", 0) >= 5 and s,
+        f"{name} training at epoch {epoch}",
+        300,
+        show,
+    )
+
+
+def test_two_workers_killed_at_once_with_one_spare(
+    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    log, samples = tmp_path / "operator.log", tmp_path / "samples"
+    job = _job("two", samples, replicas=3, spares=1)
+
+    def show() -> str:
+        return dump(local_cluster, namespace, log)
+
+    with running_operator(local_cluster, namespace, log):
+        _submit(local_cluster, namespace, job)
+        status = _running(local_cluster, namespace, "two", 1, show)
+        a, b, _ = (m["pod"] for m in status["plan"]["members"])
+        nodes.kill_pod_process(namespace, a, signal.SIGKILL)
+        nodes.kill_pod_process(namespace, b, signal.SIGKILL)
+        final = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, "two")).get("phase") in ("Succeeded", "Failed") and s,
+            "the job to end",
+            600,
+            show,
+        )
+        assert final["phase"] == "Succeeded", show()
+        assert final["recoveries"] == 1, show()
+        assert final["epoch"] >= 2 and final["committedEpoch"] == final["epoch"], show()
+        members = {m["pod"] for m in final["plan"]["members"]}
+        assert not members & {a, b}, show()
+        _check_samples(samples, 60, 6, show)
+
+
+def test_spare_killed_while_it_is_promoted(
+    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    log, samples = tmp_path / "operator.log", tmp_path / "samples"
+    job = _job("promo", samples, replicas=2, spares=1)
+
+    def show() -> str:
+        return dump(local_cluster, namespace, log)
+
+    with running_operator(local_cluster, namespace, log):
+        _submit(local_cluster, namespace, job)
+        status = _running(local_cluster, namespace, "promo", 1, show)
+        members = [m["pod"] for m in status["plan"]["members"]]
+        nodes.kill_pod_process(namespace, members[0], signal.SIGKILL)
+        plan = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, "promo")).get("epoch", 0) >= 2 and s["plan"],
+            "the replacement plan",
+            60,
+            show,
+        )
+        promoted = [m["pod"] for m in plan["members"] if m["pod"] not in members]
+        assert len(promoted) == 1, plan
+        nodes.kill_pod_process(namespace, promoted[0], signal.SIGKILL)  # while the survivors join
+        final = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, "promo")).get("phase") in ("Succeeded", "Failed")
+            and s,
+            "the job to end",
+            600,
+            show,
+        )
+        assert final["phase"] == "Succeeded", show()
+        assert final["recoveries"] == 1, show()
+        _check_samples(samples, 60, 6, show)
+
+
+def _report(url: str, token: str, report: dict[str, Any]) -> int:
+    req = urllib.request.Request(
+        url + wire.OPERATOR_REPORT_PATH,
+        data=json.dumps(report).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return int(resp.status)
+
+
+def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod(
+    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    log, samples = tmp_path / "operator.log", tmp_path / "samples"
+    job = _job("calm", samples, replicas=2, spares=1,
+               training={"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 400, "lr": 0.001, "seed": 7})
+
+    def show() -> str:
+        return dump(local_cluster, namespace, log)
+
+    with running_operator(local_cluster, namespace, log) as url:
+        _submit(local_cluster, namespace, job)
+        status = _running(local_cluster, namespace, "calm", 1, show)
+        accuser, accused = (m["pod"] for m in status["plan"]["members"])
+        code, secret = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/secrets/calm-token")
+        assert code == 200, secret
+        token = base64.b64decode(secret["data"][wire.TOKEN_SECRET_KEY]).decode()
+        uid = local_cluster.request("GET", JOBS.format(ns=namespace) + "/calm")[1]["metadata"]["uid"]
+        code = _report(url, token, {
+            "jobUid": uid, "pod": accuser, "epoch": 1, "state": "training", "healthy": True,
+            "failedPeers": [{"epoch": 1, "pod": accused, "reason": "a lie"}],
+        })
+        assert code == 200
+        wait_for(lambda: any(e.get("reason") == "PeerReportIgnored" for e in _events(local_cluster, namespace)),
+                 "the report announced as ignored", 60, show)
+        step = job_status(local_cluster, namespace, "calm")["step"]
+
+        # Every node NotReady at once, the pods still running and reporting.
+        nodes.set_ready(False)
+        try:
+            wait_for(lambda: any(e.get("reason") == "NodesNotReadyTogether" for e in _events(local_cluster, namespace)),
+                     "the partition announced", 60, show)
+            wait_for(lambda: job_status(local_cluster, namespace, "calm").get("step", 0) >= step + 10,
+                     "training to go on while the nodes are NotReady", 120, show)
+        finally:
+            nodes.set_ready(True)
+        final = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, "calm")).get("phase") in ("Succeeded", "Failed") and s,
+            "the job to end",
+            600,
+            show,
+        )
+        assert final["phase"] == "Succeeded" and final["recoveries"] == 0 and final["epoch"] == 1, show()
+        assert {m["pod"] for m in final["plan"]["members"]} == {accuser, accused}
+        assert not any(e.get("reason") in ("PeerReportedFailure", "NodeNotReady")
+                       for e in _events(local_cluster, namespace)), show()
+        _check_samples(samples, 400, 6, show)
