@@ -23,6 +23,7 @@ lint:
 crds:
 	$(PY) -m megatron_contract.crd --write
 
-# docs/api.md from the contract's models.
+# docs/api.md from the contract's models; the chart's values table in docs/configuration.md with helm-docs.
 docs:
 	$(PY) -m megatron_contract.docs --write
+	$(PY) -m localcluster.chart_docs --write
