@@ -24,6 +24,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from megatron_contract.job import MegatronJobSpec, MegatronJobStatus
 from megatron_contract.wire import API_VERSION, KIND, PLURAL, SHORT_NAMES
@@ -43,6 +44,10 @@ _CONSTRAINTS = (
     ("maxItems", "items <= {}"),
     ("pattern", "matches `{}`"),
 )
+
+
+# Annotations that are arrays in YAML (``tuple[X, ...]`` included: its first argument is the item type).
+_SEQUENCES = (list, tuple, set, frozenset)
 
 
 @dataclasses.dataclass
@@ -77,7 +82,7 @@ def _nested(tp: Any, path: str) -> list[tuple[str, type[BaseModel]]]:
     if _is_model(tp):
         return [(path, tp)]
     origin = get_origin(tp)
-    if origin is list:
+    if origin in _SEQUENCES:
         return _nested(get_args(tp)[0], f"{path}[]")
     if origin is dict:
         return _nested(get_args(tp)[1], f"{path}.*")
@@ -92,7 +97,7 @@ def _type_name(tp: Any, path: str) -> str:
     if _is_model(tp):
         return f"[object](#{_anchor(path)})"
     origin = get_origin(tp)
-    if origin is list:
+    if origin in _SEQUENCES:
         return "[]" + _type_name(get_args(tp)[0], f"{path}[]")
     if origin is dict:
         return f"map[{_type_name(get_args(tp)[0], path)}]{_type_name(get_args(tp)[1], f'{path}.*')}"
@@ -110,6 +115,8 @@ def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     if field.default_factory is not None:
+        if getattr(field, "default_factory_takes_validated_data", False):  # pydantic >= 2.10
+            return "computed from the other fields"
         value = field.default_factory()  # type: ignore[call-arg]
         if isinstance(value, BaseModel):
             return "defaults of its fields"
@@ -117,9 +124,9 @@ def _default(field: FieldInfo) -> str:
         value = field.default
     if value is None:
         return "unset"
-    if isinstance(value, enum.Enum):
-        value = value.value
-    return f"`{json.dumps(value)}`"
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return f"`{json.dumps(to_jsonable_python(value))}`"
 
 
 @functools.cache
@@ -146,7 +153,7 @@ def _constraints(node: dict[str, Any]) -> str:
 def _documented_type(tp: Any) -> Any:
     """The model or enum a field holds (through Optional and lists), whose docstring may describe it."""
     tp, _ = _strip_none(tp)
-    if get_origin(tp) is list:
+    if get_origin(tp) in _SEQUENCES:
         return _documented_type(get_args(tp)[0])
     if isinstance(tp, type) and issubclass(tp, BaseModel | enum.Enum):
         return tp
