@@ -3,7 +3,7 @@ repository's Markdown resolves (files, and anchors into the generated docs/api.m
 to a document outside the repository; docs/operations.md names every exported metric of the
 operator and the agent, every alert of the chart's PrometheusRule, every failure reason, and every
 condition and event reason of status.py; docs/configuration.md names every operator setting and
-every agent and worker environment variable."""
+every agent and worker environment variable, and the operator settings' defaults as the code has them."""
 
 from __future__ import annotations
 
@@ -113,3 +113,26 @@ def test_configuration_names_every_setting() -> None:
     assert len(names) > 30
     missing = sorted({n for n in names if f"`{n}`" not in text and n != "KUBECONFIG"})
     assert not missing, f"docs/configuration.md does not name: {missing}"
+
+
+def test_configuration_gives_the_operator_defaults() -> None:
+    rows = {}
+    for line in (DOCS / "configuration.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`MEGATRON_OPERATOR_"):
+            rows.setdefault(cells[0].strip("`"), cells[1])  # the Operator section comes first
+    wrong = []
+    for name, field in operator_settings.OperatorSettings.model_fields.items():
+        env = operator_settings.ENV_PREFIX + name.upper()
+        default = field.default
+        if default is None or default == "":
+            expected = {"unset", "unset (off)", "empty", "hostname-pid"}
+        elif isinstance(default, bool):
+            expected = {f"`{str(default).lower()}`"}
+        elif isinstance(default, float) and default.is_integer():
+            expected = {f"`{int(default)}`"}
+        else:
+            expected = {f"`{default}`"}
+        if rows.get(env) not in expected:
+            wrong.append(f"{env}: documented {rows.get(env)!r}, default {default!r}")
+    assert not wrong, "docs/configuration.md gives wrong operator defaults:\n" + "\n".join(wrong)
