@@ -4,7 +4,7 @@ PY := $(CACHE)/venv/bin/python
 export PYTHONPATH := $(CURDIR)/contract:$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/localcluster
 export MEGATRON_OPERATOR_CACHE := $(CACHE)
 
-.PHONY: setup demo test lint crds cluster-up cluster-down
+.PHONY: setup demo test lint crds docs cluster-up cluster-down
 
 setup:
 	@scripts/setup.sh
@@ -22,3 +22,8 @@ lint:
 
 crds:
 	$(PY) -m megatron_contract.crd --write
+
+# docs/api.md from the contract's models; the chart's values table in docs/configuration.md with helm-docs.
+docs:
+	$(PY) -m megatron_contract.docs --write
+	$(PY) -m localcluster.chart_docs --write

@@ -55,5 +55,6 @@ ENV_JOB_SPEC = "MEGATRON_JOB_SPEC"  # the whole MegatronJobSpec as JSON: spec.to
 ENV_HEARTBEAT_INTERVAL = "MEGATRON_HEARTBEAT_INTERVAL_SECONDS"
 
 # Every agent hosts a TCPStore server on RENDEZVOUS_PORT at its pod address (the agent outlives its
-# workers; a worker must never host the store, see shared/FACTS.md). A plan names the store of a
+# workers; a worker must never host the store: it may die, and a TCPStore port cannot be re-bound
+# while its server lives). A plan names the store of a
 # surviving member pod; the epoch's keys live under MeshPlan.rendezvous.storePrefix.

@@ -23,6 +23,7 @@ KUBERNETES_VERSION = "v1.33.13"
 ETCD_VERSION = "v3.5.35"
 KWOK_VERSION = "v0.7.0"
 HELM_VERSION = "v3.21.4"
+HELM_DOCS_VERSION = "v1.14.2"
 
 #: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
 _STAGING_MODULES = [
@@ -109,7 +110,11 @@ CONTROL_PLANE = (
 )
 KWOK = Component("kwok", "sigs.k8s.io/kwok", KWOK_VERSION, "sigs.k8s.io/kwok/cmd/kwok")
 HELM = Component("helm", "helm.sh/helm/v3", HELM_VERSION, "helm.sh/helm/v3/cmd/helm")
-ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM)}
+# Generates the chart's values table in docs/configuration.md (localcluster/chart_docs.py).
+HELM_DOCS = Component(
+    "helm-docs", "github.com/norwoodj/helm-docs", HELM_DOCS_VERSION, "github.com/norwoodj/helm-docs/cmd/helm-docs"
+)
+ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM, HELM_DOCS)}
 
 
 def cache_dir() -> Path:
@@ -179,7 +184,7 @@ def _run_with_progress(cmd: list[str], cwd: Path, env: dict[str, str], name: str
 
 
 def build_all(names: list[str] | None = None) -> dict[str, Path]:
-    """Build (or find cached) every named component; all of them (control plane, kwok, helm) by default."""
+    """Build (or find cached) every named component; all of them (control plane, kwok, helm, helm-docs) by default."""
     unknown = sorted(set(names or ()) - set(ALL))
     if unknown:
         raise BuildError(f"unknown component(s) {', '.join(unknown)}; known: {', '.join(ALL)}")

@@ -1,6 +1,6 @@
 """Failure classification: from a pod's facts (and its node's, and its agent's) to a failure or none.
 
-Every source of ``shared/DESIGN.md`` is here: pod deleted or evicted, container terminated or
+Every failure source (docs/architecture.md) is here: pod deleted or evicted, container terminated or
 restarted, phase Failed, node NotReady/Unknown, heartbeats missing past the job's deadline, and a
 survivor's report that a collective with the pod failed. The fastest one wins: whichever the
 operator sees first marks the pod failed, and a failed pod never comes back into a plan.

@@ -6,7 +6,7 @@ data-parallel replicas. When a replica spans pods (``tp*pp*cp > gpusPerPod``) a 
 its ``replicasPerPod`` replicas. Shrinking and growing add or remove whole units, so a tensor-
 parallel group never spans pods and a pod never holds part of a dropped replica.
 
-Policy, in order (``shared/DESIGN.md``):
+Policy, in order (docs/architecture.md):
 
 1. a pod of the mesh that failed is replaced by a spare, in place: same ranks, same mesh;
 2. with spares exhausted, damaged units are dropped whole and their healthy pods go back to the

@@ -1,7 +1,7 @@
 """The agent <-> worker channel: one socketpair per worker, newline-delimited JSON messages.
 
-Each worker has its own channel (a worker killed mid-write must not jam the others, see
-shared/FACTS.md); EOF on the agent's end means the worker died. The agent passes the worker's end
+Each worker has its own channel (a worker killed mid-write must not jam the others, as it
+does a shared queue); EOF on the agent's end means the worker died. The agent passes the worker's end
 with ``subprocess.Popen(pass_fds=...)`` and ``--channel-fd N``. torch-free: the agent imports it.
 """
 

@@ -1,6 +1,7 @@
 """CPU adaptations for megatron-core call sites that hard-require CUDA. Used only without a GPU.
 
-megatron-core 0.19 assumes CUDA in about 35 places (shared/FACTS.md). Rather than fork them, this
+megatron-core 0.19 assumes CUDA in about 35 places (RNG state, RoPE, DDP buffers, optimizer,
+clip_grads, checkpoint savers). Rather than fork them, this
 module redirects the few ``torch.cuda`` entry points those call sites reach to their CPU
 equivalents, and nothing else. Each shim names the call site that needs it. :func:`install` is
 called once by the worker before it builds a model, and only when ``torch.cuda.is_available()`` is

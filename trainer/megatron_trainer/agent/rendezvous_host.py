@@ -2,8 +2,8 @@
 
 Every agent hosts one for its whole life, and plans name the store of a surviving member pod;
 workers only ever connect as clients, each epoch under its own key prefix (a worker must never
-host the store: it may die, and a port cannot be re-bound while a server lives, see
-shared/FACTS.md).
+host the store: it may die, a TCPStore port cannot be re-bound while its server object lives, and
+old clients never reconnect).
 
 TCPStore binds its own listening socket to every interface, which would stop several agents on
 one machine (tests, the local cluster's loopback pod IPs) from using the standard port. So the

@@ -1,7 +1,7 @@
 """Worker processes: spawn one per local slot, read their channels, notice exits and hangs.
 
-Each worker gets its own socketpair (a worker killed mid-write must not jam the others, see
-shared/FACTS.md). The agent's end is read with asyncio, so a stopped or slow worker never blocks
+Each worker gets its own socketpair (a worker killed mid-write must not jam the others, as it
+does a shared queue). The agent's end is read with asyncio, so a stopped or slow worker never blocks
 the control port. A worker is dead when its channel hits EOF and its exit code is collected; it
 is hung when it is training and has sent nothing for longer than the hang timeout, and then the
 supervisor kills it (SIGKILL works on a SIGSTOPped process too). What to do about either is the
@@ -88,7 +88,7 @@ def silence_allowed(
     """How long a training worker may stay silent after its last message.
 
     Workers save a checkpoint right after reporting a step that is a multiple of the checkpoint
-    interval, synchronously (a 1 B model took ~22 s on 4xH200, see shared/FACTS.md); a silence
+    interval, synchronously (a 1.1 B model's took ~22 s on 4xH200); a silence
     then is a save, not a hang, and gets the save's grace on top.
     """
     saving = (

@@ -4,8 +4,8 @@ Two halves, because they run on different threads:
 
 - :func:`start_abort` / :func:`abort_communicators` may run on any thread while the main thread
   is blocked in a collective. On NCCL they abort every communicator at once, one thread each (a
-  serial abort, or ``c10d._abort_process_group``, can hang with Megatron's many groups:
-  shared/FACTS.md), which makes the blocked collective return. On gloo there is nothing to call:
+  serial abort, or ``c10d._abort_process_group``, hung with Megatron's
+  21 groups on 4xH200), which makes the blocked collective return. On gloo there is nothing to call:
   ``abort()`` does not unblock a gloo collective (pytorch#130345); the collective ends with the
   gloo timeout or when a peer frees its groups.
 - :func:`forget_process_groups` (NCCL, after an abort) and :func:`release_process_groups` (gloo,
@@ -138,7 +138,7 @@ def release_process_groups() -> None:
     """Destroy Megatron's parallel state and every process group, then free them (main thread).
 
     On gloo the collection matters: gloo closes its sockets only when the group objects are freed,
-    and that close is what tells the other survivors quickly (FACTS.md: 0.03-0.9 s instead of the
+    and that close is what tells the other survivors quickly (measured: 0.03-0.9 s instead of the
     full timeout).
     """
     global _current

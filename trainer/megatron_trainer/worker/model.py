@@ -1,7 +1,7 @@
 """Build the Megatron-Core GPT, its DDP wrapper and Megatron's optimizer for the current groups,
 and move model/optimizer state between builds.
 
-Megatron modules capture their process groups when they are constructed (shared/FACTS.md), so
+Megatron modules capture their process groups when they are constructed (megatron-core 0.19), so
 every epoch builds fresh ones. State is not rebuilt: :func:`detach_state` takes the tensors out of
 the old build (they hold no group) and :func:`adopt_state` points the new build at them, so a
 surviving rank keeps its exact bits and a re-mesh costs allocations, not copies.

@@ -1,7 +1,7 @@
 """Join an epoch's process groups, or a communicator-free world while waiting as a spare.
 
 An epoch's ranks meet at ``plan.rendezvous``: a TCPStore hosted by an agent (never by a worker,
-which may die: shared/FACTS.md). Each epoch creates a fresh store client (old clients never
+which may die and take the store with it). Each epoch creates a fresh store client (old clients never
 reconnect) wrapped in a ``PrefixStore`` with the epoch's unique prefix, so no key of an old epoch
 is ever read. Megatron's ``parallel_state`` is then built on top. NCCL communicators are created
 lazily, on a group's first collective, so groups Megatron creates but this trainer never uses
