@@ -34,13 +34,14 @@ def token_key_file(workdir: Path) -> Path:
 
 
 @contextmanager
-def running_operator(cluster: LocalCluster, namespaces: str, log: Path) -> Iterator[str]:
+def running_operator(cluster: LocalCluster, namespaces: str, log: Path, port: int | None = None) -> Iterator[str]:
     """Run the operator for ``namespaces`` (comma-separated; all when empty), its output in ``log``.
 
-    Yields the URL that trainer agents report to (a free port on loopback). Leader election is
-    off: there is one replica.
+    Yields the URL that trainer agents report to (``port`` on loopback, a free one by default: an
+    operator restarted under the pods of a job must use the one they know, as a Service would).
+    Leader election is off: there is one replica.
     """
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,

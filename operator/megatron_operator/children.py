@@ -23,6 +23,8 @@ from megatron_operator.failures import Failure, PodFacts, PodHealth, classify_po
 REPORT_AFTER = 3
 #: A pod that fails this soon after its creation failed to start: its replacement waits.
 START_GRACE_SECONDS = 30.0
+#: A created pod never seen in the index by then is forgotten (the controller has created another).
+FORGET_UNSEEN_SECONDS = 600.0
 BASE_DELAY_SECONDS = 1.0
 MAX_DELAY_SECONDS = 60.0
 
@@ -129,6 +131,8 @@ class StartTracker:
                 if name in self._seen:  # it was there and is gone: deleted before it started
                     failures.append(name)
                     messages.append(f"pod {name} was deleted {now - at:.0f} s after its creation")
+                    del self._created[name]
+                elif now - at > FORGET_UNSEEN_SECONDS:  # never showed up: the controller creates another
                     del self._created[name]
                 continue
             self._seen.add(name)

@@ -108,6 +108,9 @@ class JobController:
         self._children_checked = -float("inf")
         self._secret_applied = -float("inf")
         self._children_generation: int | None = None
+        # Reasons of CreateFailed that a success in this process has answered: a condition read back
+        # after a restart is cleared only by a success, not by a fresh process's empty backoffs.
+        self._resolved: set[str] = set()
 
     # -- wiring ----------------------------------------------------------------------------------
 
@@ -449,8 +452,10 @@ class JobController:
             backoff.failed(now, Reason.FAILED_CREATE_POD, "; ".join(refused[:3])[:2000])
             log.warning("%s/%s: %d of %d pod creates refused: %s", self.job.namespace, self.job.name,
                         len(refused), count, refused[0])
-        elif backoff.reason == Reason.FAILED_CREATE_POD:
-            backoff.succeeded()  # the API server takes our pods again (a failed start is judged later)
+        else:
+            self._resolved.add(Reason.FAILED_CREATE_POD)
+            if backoff.reason == Reason.FAILED_CREATE_POD:
+                backoff.succeeded()  # the API server takes our pods again (a failed start is judged later)
         return created
 
     def _settle_starts(self, pods: list[PodFacts], now: float) -> None:
@@ -459,6 +464,7 @@ class JobController:
         backoff = self.backoffs[Child.POD]
         if outcome.started:
             backoff.succeeded()
+            self._resolved.update((Reason.FAILED_CREATE_POD, Reason.PODS_FAIL_AT_START))
         for message in outcome.messages:
             backoff.failed(now, Reason.PODS_FAIL_AT_START, message)
         if outcome.failed and backoff.failures > 1:
@@ -501,6 +507,8 @@ class JobController:
                             backoff.failures)
             else:
                 backoff.succeeded()
+                self._resolved.add(Reason.FAILED_CREATE_SECRET if kind is Child.SECRET
+                                   else Reason.FAILED_CREATE_SERVICE)
 
     async def _apply_secret(self) -> None:
         if self.token is None:
@@ -515,7 +523,7 @@ class JobController:
         """Write the ``CreateFailed`` condition when it changes, and say why in an event."""
         v = verdict(self.backoffs, Reason.CHILDREN_CREATED)
         old = condition(self.status, ConditionType.CREATE_FAILED)
-        if not v.failing and (old is None or old.status == "False"):
+        if not v.failing and (old is None or old.status == "False" or old.reason not in self._resolved):
             return
         if v.failing and old is not None and old.status == "True" and (old.reason, old.message) == (v.reason,
                                                                                                       v.message):

@@ -12,7 +12,8 @@ Scenarios:
 - a pod create the API server refuses (requests above limits: it passes the CRD, not pod
   validation) is retried with backoff; after a bounded number of attempts the job has the
   CreateFailed condition and an event with the API server's reason; the attempts (pod serials
-  reserved on the job) grow with doubling delays, not in a loop; a fixed spec clears the condition;
+  reserved on the job) grow with doubling delays, not in a loop; a restarted operator keeps the
+  condition True until it has tried again; a fixed spec clears the condition;
 - spares that keep failing at start are replaced with doubling delays (pods counted), and the
   CreateFailed condition says why.
 The operator's log and the namespace's objects are printed when a test fails.
@@ -163,6 +164,20 @@ def test_refused_pod_creates_back_off_then_set_a_condition_and_event_naming_why(
     assert elapsed >= 14 * BASE_DELAY_SECONDS - 1.5, f"attempts 3..6 took {elapsed:.1f} s: no backoff"
     assert _serials(h) in (18, 21), _serials(h)  # 6 attempts (a 7th may have just gone)
     assert not h.api.pods(JOB)
+
+    # A restarted operator starts counting again; the condition stays True meanwhile (a fresh
+    # process's empty backoffs are no success), and says so again after the bounded retry.
+    h.operators[0].stop()
+    h.start_operator()
+    seen: list[dict[str, Any]] = []
+
+    def reported_again() -> bool:
+        cond = _condition(h) or {}
+        seen.append(cond)
+        return f"{REPORT_AFTER} failures in a row" in (cond.get("message") or "")
+
+    wait_for(reported_again, T, "the restarted operator to report the refusal")
+    assert all(c.get("status") == "True" for c in seen), [c.get("status") for c in seen]
 
     # A fixed spec is retried at once, and the condition clears when the pods are created.
     code, body = h.cluster.request(

@@ -8,26 +8,33 @@ Scenarios:
   three failures in a row are reportable;
 - the start tracker: a created pod that fails (phase Failed, declared failed, deleted) within the
   grace counts as a failed start; one that stays ready past the grace, or succeeds, has started; a
-  pod retired on purpose counts as neither; a pod not in the index yet waits;
+  pod retired on purpose counts as neither; a pod not in the index yet waits, and is forgotten if
+  it never shows up;
 - the verdict: no condition while nothing is reportable; the first reportable child's reason and
   every reportable child's last error otherwise;
-- PodFacts keeps the reason a container waits for (CreateContainerConfigError: Secret missing).
+- PodFacts keeps the reason a container waits for (CreateContainerConfigError: Secret missing);
+- a refused call is told in the API server's words (status, reason, its message).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from operator_factories import make_pod
 
+from megatron_operator import kube
 from megatron_operator.children import (
     BASE_DELAY_SECONDS,
+    FORGET_UNSEEN_SECONDS,
     MAX_DELAY_SECONDS,
     REPORT_AFTER,
     START_GRACE_SECONDS,
     Backoff,
     Child,
+    StartOutcome,
     StartTracker,
     delay_after,
     verdict,
@@ -101,6 +108,9 @@ def test_start_tracker_settles_failed_and_started_pods() -> None:
     assert len(t) == 1  # g still waits for its first sighting
     out = t.observe([_facts("g", node="gpu-9")], {}, set(), {"gpu-9": "False"}, now=40.0)
     assert out.failed == ("g",)  # its node went NotReady before it started
+    t.created(["h"], now=50.0)
+    assert t.observe([], {}, set(), {}, now=50.0 + FORGET_UNSEEN_SECONDS + 1) == StartOutcome()
+    assert len(t) == 0  # never seen: forgotten, neither started nor failed
 
 
 def test_verdict_names_the_first_reportable_child() -> None:
@@ -125,3 +135,12 @@ def test_pod_facts_keep_the_waiting_reason() -> None:
     }
     assert PodFacts.of(body).waiting == "CreateContainerConfigError"
     assert PodFacts.of(make_pod("r")).waiting is None
+
+
+def test_api_errors_are_told_in_the_api_servers_words() -> None:
+    exc = ApiException(status=422, reason="Unprocessable Entity")
+    exc.body = json.dumps({"kind": "Status", "message": 'Pod "p-3" is invalid: spec.containers[0].resources'})
+    assert kube.error_message(exc) == '422 Unprocessable Entity: Pod "p-3" is invalid: spec.containers[0].resources'
+    bare = ApiException(status=403, reason="Forbidden")
+    assert kube.error_message(bare) == "403 Forbidden"
+    assert kube.error_message(TimeoutError("read timed out")) == "TimeoutError: read timed out"
