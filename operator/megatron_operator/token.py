@@ -6,8 +6,8 @@ with the same value, so the pods that already run keep their token and new pods 
 The operator therefore needs no read access to Secrets at all.
 
 The key comes from a file (the chart mounts a Secret of the operator's own namespace there); it
-must hold at least :data:`MIN_KEY_BYTES` bytes. Rotating the key changes every job's token: jobs
-that run keep their old token until they are recreated, so rotate only with no job running.
+must hold at least :data:`MIN_KEY_BYTES` bytes. Rotating the key changes every job's token while
+the pods that run hold the old one: rotate it only with no job running.
 """
 
 from __future__ import annotations

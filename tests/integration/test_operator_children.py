@@ -5,7 +5,8 @@ Scenarios:
   Service is recreated at once (the operator watches Services) and a deleted Secret before the
   next pod is created (the operator may not watch Secrets), both with the same token, with the
   periodic check set far away so that neither is its doing; plans after that still reach the
-  agents with the job's token;
+  agents with the job's token; a pod that waits with CreateContainerConfigError (kubelet's word
+  for a missing Secret) has the Secret recreated at once;
 - a deleted Secret comes back from the periodic check alone; Secret and Service deleted while no
   operator runs come back when one starts, with a token identical to the first one, which the
   new operator accepts on heartbeats;
@@ -109,6 +110,24 @@ def test_deleted_service_and_secret_come_back_promptly_with_the_same_token(h: Ha
     h.api.delete_pod(h.members(status)[0])
     # The recording agents accept only the job's first token: the new plan reaching them proves it.
     h.wait_running(2)
+
+
+def test_a_pod_waiting_for_the_deleted_secret_has_it_recreated(h: Harness) -> None:
+    h.add_nodes(1)
+    h.start_operator(MEGATRON_OPERATOR_CHILDREN_CHECK_SECONDS=FAR)
+    h.submit(replicas=1, spares=1, min_replicas=1)
+    status = h.wait_running(1)
+    token = h.token()
+    old = _delete(h, _secret_path(h))
+    spare = next(n for n in h.pod_names() if n not in h.members(status))
+    # What kubelet reports for a pod whose env names a Secret that is gone.
+    code, body = h.api.patch_pod_status(spare, {"phase": "Pending", "containerStatuses": [{
+        "name": "trainer", "ready": False, "restartCount": 0, "image": "trainer:test", "imageID": "",
+        "state": {"waiting": {"reason": "CreateContainerConfigError",
+                              "message": f'secret "{JOB}-token" not found'}}}]})
+    assert code == 200, body
+    wait_for(lambda: _recreated(h, _secret_path(h), old), 10, "the Secret recreated for the waiting pod")
+    assert h.api.token(JOB) == token
 
 
 def test_secret_and_service_deleted_with_no_operator_running_come_back_with_the_same_token(h: Harness) -> None:

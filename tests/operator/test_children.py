@@ -13,7 +13,8 @@ Scenarios:
 - the verdict: no condition while nothing is reportable; the first reportable child's reason and
   every reportable child's last error otherwise;
 - PodFacts keeps the reason a container waits for (CreateContainerConfigError: Secret missing);
-- a refused call is told in the API server's words (status, reason, its message).
+- a refused call is told in the API server's words (status, reason, its message);
+- the operator does not start without a usable key file.
 """
 
 from __future__ import annotations
@@ -144,3 +145,16 @@ def test_api_errors_are_told_in_the_api_servers_words() -> None:
     bare = ApiException(status=403, reason="Forbidden")
     assert kube.error_message(bare) == "403 Forbidden"
     assert kube.error_message(TimeoutError("read timed out")) == "TimeoutError: read timed out"
+
+
+def test_the_operator_refuses_to_start_without_a_usable_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from megatron_operator.__main__ import main
+
+    monkeypatch.delenv("MEGATRON_OPERATOR_TOKEN_KEY_FILE", raising=False)
+    assert main([]) == 2
+    assert "MEGATRON_OPERATOR_TOKEN_KEY_FILE is not set" in caplog.text
+    monkeypatch.setenv("MEGATRON_OPERATOR_TOKEN_KEY_FILE", str(tmp_path / "absent"))
+    assert main([]) == 2
+    assert "cannot read the token key file" in caplog.text
