@@ -40,12 +40,20 @@ DELETE = object()
 
 @dataclasses.dataclass(frozen=True)
 class BadJob:
-    """A spec change the API server and the models must both refuse, and the text the refusal
-    must contain (it names the field)."""
+    """A spec change (or a job name) the API server and the models must both refuse, and the text
+    the refusal must contain (it names the field)."""
 
     name: str
     changes: dict[str, Any]
     expect: str
+    job_name: str | None = None  # the job's metadata.name when not ``name``
+
+    def job(self) -> dict[str, Any]:
+        """The example job with this one's name and changes."""
+        return with_spec(example_job(self.job_name or self.name), **self.changes)
+
+
+NAME_RULE = "metadata.name must be a DNS-1035 label of at most 63 characters"
 
 
 BAD_JOBS: tuple[BadJob, ...] = (
@@ -85,6 +93,22 @@ BAD_JOBS: tuple[BadJob, ...] = (
     ),
     BadJob("bad-pull-policy", {"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
     BadJob("replicas-not-a-number", {"replicas": "four"}, "spec.replicas"),
+    BadJob("name-of-64-characters", {}, NAME_RULE, job_name="n" * 64),
+    BadJob("name-of-253-characters", {}, NAME_RULE, job_name="n" * 253),
+    BadJob("name-with-a-dot", {}, NAME_RULE, job_name="gpt.demo"),
+    BadJob("cpu-lots", {"resources.requests.cpu": "lots"}, "spec.resources.requests.cpu"),
+    BadJob("negative-memory-limit", {"resources.limits.memory": "-1Gi"}, "spec.resources.limits.memory"),
+    BadJob("negative-integer-cpu", {"resources.requests.cpu": -2}, "spec.resources.requests.cpu"),
+    BadJob(
+        "gpu-request-contradicts-gpus-per-pod",
+        {"resources": {"requests": {"cpu": "8", "nvidia.com/gpu": 4}}},
+        "spec.resources.requests[nvidia.com/gpu] must equal spec.gpusPerPod",
+    ),
+    BadJob(
+        "gpu-limit-contradicts-gpus-per-pod",
+        {"resources": {"limits": {"nvidia.com/gpu": "1"}}},
+        "spec.resources.limits[nvidia.com/gpu] must equal spec.gpusPerPod",
+    ),
     BadJob(
         "pod-splits-replicas-unevenly",
         {"gpusPerPod": 8, "replicas": 6, "minReplicas": 2},

@@ -5,9 +5,9 @@
 
 Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema, so
 ``$ref`` is inlined, ``Optional`` collapses to the inner type, ``int | str`` becomes
-``x-kubernetes-int-or-string``, numeric exclusive bounds take their v3.0 form, and
-``additionalProperties: false`` is dropped (the API server prunes and, with kubectl's strict
-field validation, rejects unknown fields instead).
+``x-kubernetes-int-or-string`` (keeping the string's pattern and the integer's minimum), numeric
+exclusive bounds take their v3.0 form, and ``additionalProperties: false`` is dropped (the API
+server prunes and, with kubectl's strict field validation, rejects unknown fields instead).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
-from megatron_contract.job import MegatronJobSpec, MegatronJobStatus
+from megatron_contract.job import NAME_RULE, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.wire import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -66,6 +66,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         types = sorted(o.get("type", "") for o in options)
         if types == ["integer", "string"]:
             node["x-kubernetes-int-or-string"] = True
+            # Each option's own bounds apply to values of its type only (a pattern to strings, a
+            # minimum to integers), so they can sit side by side on the int-or-string node.
+            for option in options:
+                node.update({k: v for k, v in option.items() if k in ("pattern", "minimum")})
         elif len(options) == 1:
             node = {**options[0], **node}
             if "$ref" in node:
@@ -153,6 +157,7 @@ def build_crd() -> dict[str, Any]:
                             "type": "object",
                             "description": "An elastic Megatron-Core training job that survives GPU failures in place.",
                             "required": ["spec"],
+                            "x-kubernetes-validations": [NAME_RULE],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

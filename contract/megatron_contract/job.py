@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -111,11 +112,20 @@ class Toleration(WireModel):
     toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: how long to stay.")
 
 
-class Resources(WireModel):
-    """Container resources per pod; ``nvidia.com/gpu`` is set from gpusPerPod."""
+#: A non-negative Kubernetes quantity ("500m", "16Gi", "1.5", "2e3"): the API server checks it
+#: when the job is created, not when the operator's pod create is refused half an hour later.
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+Quantity = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+GPU_RESOURCE = "nvidia.com/gpu"
 
-    requests: dict[str, int | str] = Field(default_factory=dict, description="Resource requests (cpu, memory, ...).")
-    limits: dict[str, int | str] = Field(default_factory=dict, description="Resource limits.")
+
+class Resources(WireModel):
+    """Container resources per pod; ``nvidia.com/gpu`` is set from gpusPerPod (given here, it must match)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests (cpu, memory, ...).")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +139,16 @@ class SpecRule:
 
 def _model_parallel(s: MegatronJobSpec) -> int:
     return s.tp * s.pp * s.cp
+
+
+def _gpu_rule(field: Literal["requests", "limits"]) -> SpecRule:
+    """GPUs in ``resources.<field>``, when given, must be gpusPerPod: the pods get exactly that many."""
+    return SpecRule(
+        f"!has(self.resources) || !has(self.resources.{field}) || !('{GPU_RESOURCE}' in self.resources.{field}) || "
+        f"string(self.resources.{field}['{GPU_RESOURCE}']) == string(self.gpusPerPod)",
+        f"spec.resources.{field}[{GPU_RESOURCE}] must equal spec.gpusPerPod (or be left out: it is set from it)",
+        lambda s: str(getattr(s.resources, field).get(GPU_RESOURCE, s.gpus_per_pod)) == str(s.gpus_per_pod),
+    )
 
 
 SPEC_RULES: tuple[SpecRule, ...] = (
@@ -186,7 +206,19 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         "spec.training.globalBatchSize / microBatchSize must be at least spec.replicas (a micro-batch per replica)",
         lambda s: s.training.global_batch_size // s.training.micro_batch_size >= s.replicas,
     ),
+    _gpu_rule("requests"),
+    _gpu_rule("limits"),
 )
+
+#: The job's name labels every child (a label value: at most 63 characters) and names its headless
+#: Service (a DNS-1035 label): a name that cannot do both is refused when the job is created.
+NAME_MAX = 63
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = {
+    "rule": f"self.metadata.name.size() <= {NAME_MAX} && self.metadata.name.matches('{NAME_PATTERN}')",
+    "message": f"metadata.name must be a DNS-1035 label of at most {NAME_MAX} characters (lower-case letters, "
+    "digits and '-', starting with a letter): it labels the job's pods and names its Service",
+}
 
 
 class MegatronJobSpec(WireModel):
@@ -280,6 +312,9 @@ class ConditionType(enum.StrEnum):
     SPARES_EXHAUSTED = "SparesExhausted"
     FAILED = "Failed"
     SUCCEEDED = "Succeeded"
+    #: True while a child (pod, Service, token Secret) cannot be created, or the pods created keep
+    #: failing at start; its reason and message say which and why.
+    CREATE_FAILED = "CreateFailed"
 
 
 class Condition(WireModel):
@@ -358,3 +393,10 @@ class MegatronJob(WireModel):
     status: MegatronJobStatus | None = None
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="after")
+    def _name_rule(self) -> MegatronJob:
+        name = self.metadata.get("name")
+        if name is not None and not (len(name) <= NAME_MAX and re.fullmatch(NAME_PATTERN, name)):
+            raise ValueError(NAME_RULE["message"])
+        return self

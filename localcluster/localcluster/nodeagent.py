@@ -5,6 +5,8 @@ command and args with its environment (plain values, downward-API ``fieldRef`` a
 ``secretKeyRef`` resolved), a loopback pod IP of its own (``127.P.x.y``, so every pod can bind
 the same ports), status reported as Running, then Succeeded or Failed with the exit code (128+N
 for a signal, as container runtimes do), and the process group killed when the pod is deleted.
+A pod whose Secret (or key) is missing stays Pending with its container waiting for
+``CreateContainerConfigError`` and is retried every second until it appears, as kubelet does.
 Nodes stay Ready through Lease renewals. ``python``/``python3`` as the command run with this
 agent's interpreter, so pods use the project's environment.
 """
@@ -38,6 +40,8 @@ LOCAL_NODE_TOLERATION = {"key": LOCAL_NODE_LABEL, "operator": "Equal", "value": 
 PROCESS_POD_OCTETS = range(150, 236)
 LEASE_SECONDS = 40
 RENEW_SECONDS = 10
+#: How often a pod waiting for a missing Secret is tried again.
+CONFIG_RETRY_SECONDS = 1.0
 #: Variables a pod inherits from the agent (so the project's Python and paths work inside it).
 PASSTHROUGH_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "MEGATRON_OPERATOR_CACHE", "TMPDIR")
 
@@ -52,6 +56,10 @@ def _now_micro() -> str:
 
 def _log(msg: str) -> None:
     print(f"[nodeagent] {msg}", file=sys.stderr, flush=True)
+
+
+class ContainerConfigError(RuntimeError):
+    """The container's environment cannot be made yet (a Secret or a key of it is missing)."""
 
 
 @dataclasses.dataclass
@@ -86,6 +94,8 @@ class NodeAgent:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.pods: dict[str, RunningPod] = {}  # by pod uid
         self._finished: set[str] = set()
+        self._config_waiting: dict[str, dict[str, Any]] = {}  # pod uid -> body, retried until its Secret exists
+        self._waiting_ip: dict[str, str] = {}  # the address a waiting pod keeps across its retries
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next_ip = 1
@@ -96,7 +106,7 @@ class NodeAgent:
     def start(self) -> NodeAgent:
         for name in self.node_list:
             self._register_node(name)
-        for target in (self._renew_leases, self._watch_pods):
+        for target in (self._renew_leases, self._watch_pods, self._retry_config):
             t = threading.Thread(target=target, name=f"nodeagent-{target.__name__}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -223,14 +233,37 @@ class NodeAgent:
         with self._lock:
             running = self.pods.get(uid)
         if deleted or pod["metadata"].get("deletionTimestamp"):
+            with self._lock:
+                self._config_waiting.pop(uid, None)
+                self._waiting_ip.pop(uid, None)
             if running is not None and not running.deleting:
                 running.deleting = True
                 threading.Thread(target=self._delete, args=(running, pod, deleted), daemon=True).start()
             elif running is None and not deleted:
                 self._finalize_delete(pod["metadata"]["namespace"], pod["metadata"]["name"], uid)
             return
-        if running is None and uid not in self._finished and pod["status"].get("phase", "Pending") == "Pending":
+        with self._lock:
+            waiting = uid in self._config_waiting  # the retry thread has it
+        if (
+            running is None
+            and not waiting
+            and uid not in self._finished
+            and pod["status"].get("phase", "Pending") == "Pending"
+        ):
             self._run(pod)
+
+    def _retry_config(self) -> None:
+        while not self._stop.wait(CONFIG_RETRY_SECONDS):
+            with self._lock:
+                waiting = list(self._config_waiting.items())
+            for uid, pod in waiting:
+                with self._lock:
+                    if self._config_waiting.pop(uid, None) is None:  # deleted meanwhile
+                        continue
+                try:
+                    self._run(pod)
+                except (ApiError, OSError) as err:
+                    _log(f"retry of {pod['metadata']['name']} failed: {err}")
 
     def _run(self, pod: dict[str, Any]) -> None:
         meta, spec = pod["metadata"], pod["spec"]
@@ -245,9 +278,35 @@ class NodeAgent:
                 raise ValueError("container has no command: the local node agent cannot run an image's entrypoint")
             if argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
-            ip = self._allocate_ip()
+            with self._lock:
+                kept = self._waiting_ip.pop(uid, None)
+            ip = kept or self._allocate_ip()
             env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
             env.update(self._container_env(pod, container, ip))
+        except ContainerConfigError as err:
+            with self._lock:
+                self._config_waiting[uid] = pod
+                self._waiting_ip[uid] = ip
+            waiting = {"reason": "CreateContainerConfigError", "message": str(err)}
+            self._set_status(
+                ns,
+                name,
+                {
+                    "phase": "Pending",
+                    "containerStatuses": [
+                        {
+                            "name": containers[0]["name"],
+                            "image": containers[0].get("image", ""),
+                            "imageID": "",
+                            "ready": False,
+                            "started": False,
+                            "restartCount": 0,
+                            "state": {"waiting": waiting},
+                        }
+                    ],
+                },
+            )
+            return
         except (ValueError, ApiError, KeyError) as err:
             self._finished.add(uid)
             self._set_status(ns, name, {"phase": "Failed", "reason": "LocalNodeAgentError", "message": str(err)})
@@ -313,8 +372,16 @@ class NodeAgent:
                 env[var["name"]] = fields.get(ref["fieldPath"], "")
             elif ref := var.get("valueFrom", {}).get("secretKeyRef"):
                 ns = pod["metadata"]["namespace"]
-                secret = self.api.request("GET", f"/api/v1/namespaces/{ns}/secrets/{ref['name']}")
-                env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+                try:
+                    secret = self.api.request("GET", f"/api/v1/namespaces/{ns}/secrets/{ref['name']}")
+                except ApiError as err:
+                    if err.status == 404:
+                        raise ContainerConfigError(f'secret "{ref["name"]}" not found') from err
+                    raise
+                data = secret.get("data") or {}
+                if ref["key"] not in data:
+                    raise ContainerConfigError(f"couldn't find key {ref['key']} in Secret {ns}/{ref['name']}")
+                env[var["name"]] = base64.b64decode(data[ref["key"]]).decode()
         return env
 
     def _allocate_ip(self) -> str:

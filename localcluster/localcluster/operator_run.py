@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,15 +12,36 @@ from pathlib import Path
 
 from localcluster.cluster import LocalCluster, free_port
 
+#: The operator's token key (MEGATRON_OPERATOR_TOKEN_KEY_FILE), one per local cluster.
+TOKEN_KEY_FILE = "operator-token-key"
+
+
+def token_key_file(workdir: Path) -> Path:
+    """The operator's token key in ``workdir``, created (mode 0600, 64 random characters) on first use.
+
+    One key per cluster, so every operator process started against it (a restart, a standby)
+    derives the same job tokens, as replicas of an installed chart do from the chart's Secret.
+    Creation is exclusive: processes racing to create it end with the same key.
+    """
+    path = Path(workdir) / TOKEN_KEY_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(48))
+    return path
+
 
 @contextmanager
-def running_operator(cluster: LocalCluster, namespaces: str, log: Path) -> Iterator[str]:
+def running_operator(cluster: LocalCluster, namespaces: str, log: Path, port: int | None = None) -> Iterator[str]:
     """Run the operator for ``namespaces`` (comma-separated; all when empty), its output in ``log``.
 
-    Yields the URL that trainer agents report to (a free port on loopback). Leader election is
-    off: there is one replica.
+    Yields the URL that trainer agents report to (``port`` on loopback, a free one by default: an
+    operator restarted under the pods of a job must use the one they know, as a Service would).
+    Leader election is off: there is one replica.
     """
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
@@ -29,6 +51,7 @@ def running_operator(cluster: LocalCluster, namespaces: str, log: Path) -> Itera
         "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
         "MEGATRON_OPERATOR_REPORT_PORT": str(port),
         "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
+        "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(cluster.workdir)),
     }
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:

@@ -16,7 +16,8 @@ import kopf
 
 from megatron_operator import handlers, kube
 from megatron_operator.leader import LeaderElector
-from megatron_operator.settings import OperatorSettings
+from megatron_operator.settings import ENV_TOKEN_KEY_FILE, OperatorSettings
+from megatron_operator.token import TokenKeyError, read_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings = OperatorSettings()
+    if settings.token_key_file is None:
+        logging.error("%s is not set: the operator needs a key to derive each job's token from", ENV_TOKEN_KEY_FILE)
+        return 2
+    try:
+        token_key = read_key(settings.token_key_file)
+    except TokenKeyError as exc:
+        logging.error("%s", exc)
+        return 2
     kube.configure(os.environ.get("KUBECONFIG"))
-    handlers.configure(settings)
+    handlers.configure(settings, token_key)
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 

@@ -5,10 +5,10 @@ Every function returns a plain dict ready for the API server; nothing here talks
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
-import secrets
 from typing import Any
 
 from megatron_contract import wire
@@ -76,13 +76,12 @@ def child_labels(job: JobRef) -> dict[str, str]:
     return {wire.LABEL_JOB: job.name}
 
 
-def new_token() -> str:
-    """A fresh bearer token for a job (256 bits)."""
-    return secrets.token_urlsafe(32)
-
-
 def build_secret(job: JobRef, token: str) -> dict[str, Any]:
-    """The per-job Secret with the token that signs plans and reports."""
+    """The per-job Secret with the token that signs plans and reports (the pods read it; the operator never).
+
+    ``data`` rather than ``stringData``: the Secret is server-side applied, and a write-only field
+    would leave the applied configuration different from the object on every apply.
+    """
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -93,7 +92,7 @@ def build_secret(job: JobRef, token: str) -> dict[str, Any]:
             "labels": child_labels(job),
             "ownerReferences": [owner_reference(job)],
         },
-        "stringData": {wire.TOKEN_SECRET_KEY: token},
+        "data": {wire.TOKEN_SECRET_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 

@@ -28,22 +28,36 @@ from pydantic import ValidationError
 
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
-from megatron_contract.job import FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
+from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
 from megatron_operator import builders, kube, metrics
 from megatron_operator.builders import JobRef
+from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome
 from megatron_operator.push import PlanPusher, PushOutcome
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
-from megatron_operator.status import Observation, Reason, compute_status, status_body, status_changed
+from megatron_operator.status import (
+    Observation,
+    Reason,
+    compute_status,
+    condition,
+    set_condition,
+    status_body,
+    status_changed,
+)
+from megatron_operator.token import derive_token
 
 log = logging.getLogger(__name__)
 
 EXPECTED_POD_SECONDS = 120.0  # a created pod not seen in the index by then is created again
 PUSH_BACKOFF_MAX = 30.0
+#: A pod waiting for this reason cannot read its env: the token Secret is likely gone.
+SECRET_MISSING_WAIT = "CreateContainerConfigError"
+#: Least time between two applies of the Secret prompted by pods (not by the periodic check).
+SECRET_PROMPT_SECONDS = 2.0
 
 
 def _now() -> datetime:
@@ -62,6 +76,7 @@ class JobController:
         pusher: PlanPusher,
         pods_of: Callable[[], list[PodFacts]],
         nodes: Callable[[], dict[str, str]],
+        token_key: bytes | None = None,
     ) -> None:
         self.job = job
         self.body = body  # kopf's live view of the job
@@ -88,6 +103,18 @@ class JobController:
         self.status = self._read_status(body)
         self.done = False
         self._labels = {"namespace": job.namespace, "job": job.name}
+        # Children (see children.py): the key the token is derived from, a backoff per kind of child,
+        # the pods created and not yet started, when the Secret and Service were last applied.
+        self.token_key = token_key
+        self.backoffs = {kind: Backoff() for kind in Child}
+        self.starts = StartTracker()
+        self.children_due = True  # set by the Service watch when the job's Service is deleted
+        self._children_checked = -float("inf")
+        self._secret_applied = -float("inf")
+        self._children_generation: int | None = None
+        # Reasons of CreateFailed that a success in this process has answered: a condition read back
+        # after a restart is cleared only by a success, not by a fresh process's empty backoffs.
+        self._resolved: set[str] = set()
 
     # -- wiring ----------------------------------------------------------------------------------
 
@@ -156,18 +183,23 @@ class JobController:
             heartbeat = spec.failure_detection.heartbeat_timeout_seconds / 4
         except (ValidationError, KeyError):
             heartbeat = self.settings.resync_seconds
-        due = [t - time.monotonic() for t in self.push_due.values()]
+        now = time.monotonic()
+        due = [t - now for t in self.push_due.values()]
         if self.settling:
             due.append(0.25)  # listening for the first reports: look again soon
-        return max(0.05, min([self.settings.resync_seconds, heartbeat, *due]))
+        retries = [b.next_at - now for b in self.backoffs.values() if b.failures and b.next_at > now]
+        return max(0.05, min([self.settings.resync_seconds, heartbeat, *due, *retries]))
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.wake.wait(), timeout=seconds)
 
     async def _setup(self) -> None:
-        self.token = await kube.ensure_secret(builders.build_secret(self.job, builders.new_token()))
-        await kube.ensure_service(builders.build_service(self.job))
+        # Derived, never read back: the same after a restart, and the Secret can always be recreated.
+        if self.token_key is not None:
+            self.token = derive_token(self.token_key, self.job.uid)
+        await self._ensure_children([], pods_wanted=False)
+        await self._report_children()
 
     def _crash_point(self, name: str) -> None:
         if self.settings.crash_at == name:
@@ -409,22 +441,153 @@ class JobController:
         await asyncio.gather(*(kube.delete_pod(self.job.namespace, name, force=force) for name, force in doomed))
 
     async def _create(self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts]) -> list[str]:
+        """Create what is missing: the Secret and Service when due, then ``workers + spares`` pods.
+
+        Every kind of child backs off after failures (children.py): pods that keep failing at start,
+        or creates the API server refuses, never make a tight loop; after a few failures in a row
+        the job's ``CreateFailed`` condition and an event say why. No pod is created while the token
+        Secret cannot be: it could not start without it.
+        """
         count = workers + spares
-        if count <= 0:
-            return []
+        now = time.monotonic()
+        generation = self.body.get("metadata", {}).get("generation")
+        if generation != self._children_generation:  # an edited spec may have fixed what failed
+            self._children_generation = generation
+            self.backoffs[Child.POD].succeeded()
+        await self._ensure_children(pods, pods_wanted=count > 0)
+        self._settle_starts(pods, now)
+        created: list[str] = []
+        pod_backoff = self.backoffs[Child.POD]
+        if count > 0 and pod_backoff.ready(now) and not self.backoffs[Child.SECRET].failures:
+            created = await self._create_pods(spec, workers, spares, pods)
+        await self._report_children()
+        return created
+
+    async def _create_pods(self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts]) -> list[str]:
+        """Reserve serials and create the pods; a refused create counts as a failure of the pod backoff."""
+        count = workers + spares
+        now = time.monotonic()
         floor = max([p.serial for p in pods] + [-1]) + 1
-        start = await kube.reserve_serials(self.job.namespace, self.job.name, count, floor)
+        try:
+            start = await kube.reserve_serials(self.job.namespace, self.job.name, count, floor)
+        except Exception as exc:  # any refusal is reported the same way, then retried
+            self.backoffs[Child.POD].failed(now, Reason.FAILED_CREATE_POD,
+                                            f"reserving pod names on the job: {kube.error_message(exc)}")
+            log.warning("%s/%s: %s", self.job.namespace, self.job.name, self.backoffs[Child.POD].error)
+            return []
         bodies = [
             builders.build_pod(self.job, spec, serial=start + i,
                                role=wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE,
                                operator_url=self.settings.url)
             for i in range(count)
         ]
-        deadline = time.monotonic() + EXPECTED_POD_SECONDS
+        deadline = now + EXPECTED_POD_SECONDS
         for body in bodies:
             self.expected[body["metadata"]["name"]] = deadline
-        await asyncio.gather(*(kube.create_pod(b) for b in bodies))
-        return [b["metadata"]["name"] for b in bodies]
+        results = await asyncio.gather(*(kube.create_pod(b) for b in bodies), return_exceptions=True)
+        created: list[str] = []
+        refused: list[str] = []
+        for body, result in zip(bodies, results, strict=True):
+            name = body["metadata"]["name"]
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self.expected.pop(name, None)  # not coming: assess must ask for it again
+                refused.append(f"creating pod {name}: {kube.error_message(result)}")
+            else:
+                created.append(name)
+        self.starts.created(created, now)
+        backoff = self.backoffs[Child.POD]
+        if refused:
+            backoff.failed(now, Reason.FAILED_CREATE_POD, "; ".join(refused[:3])[:2000])
+            log.warning("%s/%s: %d of %d pod creates refused: %s", self.job.namespace, self.job.name,
+                        len(refused), count, refused[0])
+        else:
+            self._resolved.add(Reason.FAILED_CREATE_POD)
+            if backoff.reason == Reason.FAILED_CREATE_POD:
+                backoff.succeeded()  # the API server takes our pods again (a failed start is judged later)
+        return created
+
+    def _settle_starts(self, pods: list[PodFacts], now: float) -> None:
+        """Pods created here that failed soon count against the pod backoff; one that started resets it."""
+        outcome = self.starts.observe(pods, self.failed, self.retired, self.nodes(), now)
+        backoff = self.backoffs[Child.POD]
+        if outcome.started:
+            backoff.succeeded()
+            self._resolved.update((Reason.FAILED_CREATE_POD, Reason.PODS_FAIL_AT_START))
+        for message in outcome.messages:
+            backoff.failed(now, Reason.PODS_FAIL_AT_START, message)
+        if outcome.failed and backoff.failures > 1:
+            log.warning("%s/%s: %d created pods in a row failed at start; next create in %.1f s (%s)",
+                        self.job.namespace, self.job.name, backoff.failures, max(0.0, backoff.next_at - now),
+                        outcome.messages[-1])
+
+    async def _ensure_children(self, pods: list[PodFacts], *, pods_wanted: bool) -> None:
+        """Apply the token Secret and the Service when due; never raises (failures back off instead).
+
+        The Service is applied when the watch saw it deleted and periodically; the Secret (which the
+        operator may not watch) periodically, before pods are created, and when a pod cannot start
+        for want of it. An apply of an unchanged child changes nothing.
+        """
+        now = time.monotonic()
+        periodic = now - self._children_checked >= self.settings.children_check_seconds
+        if periodic:
+            self._children_checked = now
+        # Pods stuck for want of the Secret prompt an apply on every pass: throttled.
+        stuck = any(p.waiting == SECRET_MISSING_WAIT for p in pods)
+        wanted = {
+            Child.SECRET: periodic or self.children_due or pods_wanted
+            or (stuck and now - self._secret_applied >= SECRET_PROMPT_SECONDS),
+            Child.SERVICE: periodic or self.children_due,
+        }
+        self.children_due = False
+        apply = {Child.SECRET: self._apply_secret, Child.SERVICE: self._apply_service}
+        go = [k for k in apply if (wanted[k] or self.backoffs[k].failures) and self.backoffs[k].ready(now)]
+        if not go:
+            return
+        results = await asyncio.gather(*(apply[kind]() for kind in go), return_exceptions=True)
+        for kind, result in zip(go, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            backoff = self.backoffs[kind]
+            if isinstance(result, BaseException):
+                reason = Reason.FAILED_CREATE_SECRET if kind is Child.SECRET else Reason.FAILED_CREATE_SERVICE
+                backoff.failed(now, reason, f"applying {kind.value}: {kube.error_message(result)}")
+                log.warning("%s/%s: %s (failure %d in a row)", self.job.namespace, self.job.name, backoff.error,
+                            backoff.failures)
+            else:
+                backoff.succeeded()
+                self._resolved.add(Reason.FAILED_CREATE_SECRET if kind is Child.SECRET
+                                   else Reason.FAILED_CREATE_SERVICE)
+
+    async def _apply_secret(self) -> None:
+        if self.token is None:
+            raise RuntimeError("the operator has no token key, so the job has no token")
+        await kube.apply_secret(builders.build_secret(self.job, self.token))
+        self._secret_applied = time.monotonic()
+
+    async def _apply_service(self) -> None:
+        await kube.apply_service(builders.build_service(self.job))
+
+    async def _report_children(self) -> None:
+        """Write the ``CreateFailed`` condition when it changes, and say why in an event."""
+        v = verdict(self.backoffs, Reason.CHILDREN_CREATED)
+        old = condition(self.status, ConditionType.CREATE_FAILED)
+        if not v.failing and (old is None or old.status == "False" or old.reason not in self._resolved):
+            return
+        if v.failing and old is not None and old.status == "True" and (old.reason, old.message) == (v.reason,
+                                                                                                      v.message):
+            return
+        generation = self.body.get("metadata", {}).get("generation")
+        conditions = set_condition(self.status.conditions, ConditionType.CREATE_FAILED, v.failing, v.reason,
+                                   v.message, _now(), generation)
+        new = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
+        await kube.write_status(self.job.namespace, self.job.name, status_body(new))
+        self.status = new
+        if v.failing:
+            self._post([("Warning", v.reason, v.message)])
+        else:
+            self._post([("Normal", Reason.CHILDREN_CREATED, "every child of the job is created again")])
 
     async def _sync_labels(self, plan: MeshPlan, pods: list[PodFacts]) -> None:
         replica_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}

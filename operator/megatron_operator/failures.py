@@ -55,6 +55,7 @@ class PodFacts:
     terminated: tuple[int, str] | None  # (exit code, reason) of the trainer container
     restarts: int
     replica: str | None = None
+    waiting: str | None = None  # reason the trainer container waits to start (CreateContainerConfigError, ...)
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> PodFacts:
@@ -63,12 +64,14 @@ class PodFacts:
         status = body.get("status") or {}
         labels = meta.get("labels") or {}
         terminated: tuple[int, str] | None = None
+        waiting: str | None = None
         restarts = 0
         for cs in status.get("containerStatuses") or []:
             restarts += int(cs.get("restartCount") or 0)
             term = (cs.get("state") or {}).get("terminated")
             if term is not None:
                 terminated = (int(term.get("exitCode", -1)), str(term.get("reason") or ""))
+            waiting = ((cs.get("state") or {}).get("waiting") or {}).get("reason") or waiting
         try:
             serial = int(labels.get(wire.LABEL_POD_INDEX, "-1"))
         except ValueError:
@@ -86,6 +89,7 @@ class PodFacts:
             terminated=terminated,
             restarts=restarts,
             replica=labels.get(wire.LABEL_REPLICA),
+            waiting=waiting,
         )
 
 

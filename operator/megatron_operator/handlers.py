@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class Registry:
     """The operator's in-memory state: controllers by job, heartbeats, the indexes, the pusher."""
 
-    def __init__(self, settings: OperatorSettings) -> None:
+    def __init__(self, settings: OperatorSettings, token_key: bytes | None = None) -> None:
         self.settings = settings
+        self.token_key = token_key  # each job's token is derived from it (token.py)
         self.book = HeartbeatBook()
         self.pusher = PlanPusher(timeout=settings.push_timeout_seconds)
         self.by_uid: dict[str, JobController] = {}
@@ -66,6 +67,13 @@ class Registry:
         if ctl is not None:
             ctl.wake.set()
 
+    def children_gone(self, namespace: str, name: str) -> None:
+        """A child of the job was deleted: have its controller apply its children again now."""
+        ctl = self.by_key.get((namespace, name))
+        if ctl is not None:
+            ctl.children_due = True
+            ctl.wake.set()
+
     def wake_all(self) -> None:
         for ctl in self.by_uid.values():
             ctl.wake.set()
@@ -74,10 +82,10 @@ class Registry:
 REGISTRY = Registry(OperatorSettings())
 
 
-def configure(settings: OperatorSettings) -> Registry:
-    """Replace the registry's settings (called by ``__main__`` before kopf starts)."""
+def configure(settings: OperatorSettings, token_key: bytes | None = None) -> Registry:
+    """Replace the registry's settings and token key (called by ``__main__`` before kopf starts)."""
     global REGISTRY
-    REGISTRY = Registry(settings)
+    REGISTRY = Registry(settings, token_key)
     return REGISTRY
 
 
@@ -125,6 +133,13 @@ def pod_event(namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -
     REGISTRY.wake(namespace or "", labels[wire.LABEL_JOB])
 
 
+@kopf.on.event("services", labels={wire.LABEL_JOB: kopf.PRESENT})
+def service_event(type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    """A job's Service deleted (by hand, or by a cleanup script): recreate it now, not at the next check."""
+    if type == "DELETED":
+        REGISTRY.children_gone(namespace or "", labels[wire.LABEL_JOB])
+
+
 @kopf.on.event("nodes")
 def node_event(type: str | None, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]
@@ -147,6 +162,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
         REGISTRY.pusher,
         pods_of=lambda: REGISTRY.pods_of(*key),
         nodes=REGISTRY.node_readiness,
+        token_key=REGISTRY.token_key,
     )
     REGISTRY.by_uid[job.uid] = ctl
     REGISTRY.by_key[key] = ctl

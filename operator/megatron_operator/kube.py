@@ -4,15 +4,18 @@ Calls go through the official (synchronous) client on a bounded thread pool, so 
 loop never blocks. The status is replaced with a server-side JSON Patch (it cannot conflict with
 changes to the rest of the job); the pod-serial reservation, a read-modify-write, carries the
 resourceVersion it read and is retried on 409 with a fresh read; creates are idempotent
-(AlreadyExists is success) so that a restarted operator can repeat them.
+(AlreadyExists is success) so that a restarted operator can repeat them. The job's Service and
+token Secret are server-side applied: one request creates a missing one or restores a changed one,
+and the operator never reads a Secret.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
+import contextlib
 import functools
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -30,6 +33,9 @@ T = TypeVar("T")
 _executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kube")
 _api: client.ApiClient | None = None
 CONFLICT_RETRIES = 8
+#: The field manager of the operator's server-side applies (the same in every replica and restart).
+FIELD_MANAGER = "megatron-operator"
+_APPLY: dict[str, Any] = {"field_manager": FIELD_MANAGER, "_content_type": "application/apply-patch+yaml"}
 
 
 class KubeError(RuntimeError):
@@ -98,34 +104,30 @@ async def patch_pod_labels(namespace: str, name: str, labels: dict[str, str | No
             raise
 
 
-async def ensure_service(body: dict[str, Any]) -> None:
-    """Create the headless Service unless it exists."""
-    try:
-        await _call(_core().create_namespaced_service, body["metadata"]["namespace"], body)
-    except ApiException as exc:
-        if not _exists_ok(exc):
-            raise
+async def apply_service(body: dict[str, Any]) -> None:
+    """Server-side apply the headless Service: created when missing, left as is when it matches."""
+    meta = body["metadata"]
+    await _call(_core().patch_namespaced_service, meta["name"], meta["namespace"], body, **_APPLY)
 
 
-async def ensure_secret(body: dict[str, Any]) -> str:
-    """Create the token Secret unless it exists; returns the token it holds."""
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    try:
-        await _call(_core().create_namespaced_secret, namespace, body)
-        return str(body["stringData"][wire.TOKEN_SECRET_KEY])
-    except ApiException as exc:
-        if not _exists_ok(exc):
-            raise
-    return await read_token(namespace, name)
+async def apply_secret(body: dict[str, Any]) -> None:
+    """Server-side apply the token Secret: created when missing, its token restored when changed.
+
+    One write and no read: the operator holds no read access to Secrets. Not forced, so a Secret of
+    that name that someone else manages is refused with a conflict (409) instead of taken over.
+    """
+    meta = body["metadata"]
+    await _call(_core().patch_namespaced_secret, meta["name"], meta["namespace"], body, **_APPLY)
 
 
-async def read_token(namespace: str, name: str) -> str:
-    """The token in a job's Secret."""
-    secret = await _call(_core().read_namespaced_secret, name, namespace)
-    data = secret.data or {}
-    if wire.TOKEN_SECRET_KEY not in data:
-        raise KubeError(f"secret {namespace}/{name} has no key {wire.TOKEN_SECRET_KEY!r}")
-    return base64.b64decode(data[wire.TOKEN_SECRET_KEY]).decode()
+def error_message(exc: BaseException) -> str:
+    """A short reason for a failed call: the API server's own message when it sent one."""
+    if isinstance(exc, ApiException):
+        message = ""
+        with contextlib.suppress(ValueError, TypeError):
+            message = str(json.loads(exc.body or "{}").get("message") or "")
+        return f"{exc.status} {exc.reason}: {message}".strip().rstrip(":") if message else f"{exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def get_job(namespace: str, name: str) -> dict[str, Any]:

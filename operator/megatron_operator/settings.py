@@ -5,6 +5,8 @@ Environment variable names are the constants below; the Helm chart's values map 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -25,6 +27,8 @@ ENV_PUSH_TIMEOUT = f"{ENV_PREFIX}PUSH_TIMEOUT_SECONDS"
 ENV_METRICS_PORT = f"{ENV_PREFIX}METRICS_PORT"
 ENV_FULL_MESH_WAIT = f"{ENV_PREFIX}FULL_MESH_WAIT_SECONDS"
 ENV_CRASH_AT = f"{ENV_PREFIX}CRASH_AT"
+ENV_TOKEN_KEY_FILE = f"{ENV_PREFIX}TOKEN_KEY_FILE"
+ENV_CHILDREN_CHECK_SECONDS = f"{ENV_PREFIX}CHILDREN_CHECK_SECONDS"
 ENV_KUBECONFIG = "KUBECONFIG"
 
 
@@ -53,6 +57,19 @@ class OperatorSettings(BaseSettings):
         ge=0,
         description="How long a new job waits for all its worker pods; then it starts with the pods that run "
         "(at least minReplicas) and grows as the rest arrive.",
+    )
+    token_key_file: Path | None = Field(
+        default=None,
+        description="File holding the key (at least 32 bytes) from which each job's token is derived "
+        "(HMAC-SHA256 of the job's UID); the chart mounts it from a Secret in the operator's namespace. "
+        "Required: the operator refuses to start without it.",
+    )
+    children_check_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        description="How often each job's token Secret is re-applied (recreated when deleted). The operator "
+        "cannot watch Secrets (it may not read them); it also re-applies the Secret before creating pods and "
+        "when a pod cannot start for want of it, and recreates the Service as soon as it sees it deleted.",
     )
     crash_at: str | None = Field(
         default=None,

@@ -43,6 +43,12 @@ class Reason:
     INVALID_SPEC = "InvalidSpec"
     TRAINING_FINISHED = "TrainingFinished"
     NOT_FINISHED = "NotFinished"
+    # The CreateFailed condition (and its Warning events): a child the operator cannot create.
+    FAILED_CREATE_SECRET = "FailedCreateSecret"
+    FAILED_CREATE_SERVICE = "FailedCreateService"
+    FAILED_CREATE_POD = "FailedCreatePod"
+    PODS_FAIL_AT_START = "PodsFailingAtStart"
+    CHILDREN_CREATED = "ChildrenCreated"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"

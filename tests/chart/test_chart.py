@@ -1,10 +1,12 @@
 """The Helm chart: `helm lint` passes; it renders the operator Deployment, RBAC, ServiceAccount
-and Service with secure defaults; every environment variable it sets is one the operator's
+and Service with secure defaults (no read access to Secrets; the token key is a Secret the chart
+creates, or the user's, mounted into the pod); every environment variable it sets is one the operator's
 settings read; every value is documented with a `# --` comment; and `helm install` into the real
 local control plane creates the objects (the ServiceMonitor only when enabled)."""
 
 from __future__ import annotations
 
+import base64
 import re
 import subprocess
 from pathlib import Path
@@ -41,7 +43,8 @@ def test_renders_secure_operator(helm: Path) -> None:
     docs = render(helm)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service"]
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service",
+         "Secret"]
         + [k for k in ("ConfigMap",) if any(d["kind"] == k for d in docs)]
     ), kinds
     [deploy] = [d for d in docs if d["kind"] == "Deployment"]
@@ -54,6 +57,22 @@ def test_renders_secure_operator(helm: Path) -> None:
     assert deploy["spec"]["replicas"] == 2
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"]), "wildcard RBAC"
+    # Secrets: written (each job's token Secret), never read; the token key is mounted, not fetched.
+    secret_verbs = {v for r in role["rules"] if "secrets" in r["resources"] for v in r["verbs"]}
+    assert secret_verbs == {"create", "patch"}, secret_verbs
+    [key_secret] = [d for d in docs if d["kind"] == "Secret"]
+    assert len(base64.b64decode(key_secret["data"]["key"])) >= 32
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env["MEGATRON_OPERATOR_TOKEN_KEY_FILE"] == mounts["token-key"] + "/key"
+    [volume] = [v for v in pod["volumes"] if v["name"] == "token-key"]
+    assert volume["secret"]["secretName"] == key_secret["metadata"]["name"]
+    # A Secret of the user's instead: the chart creates none and mounts that one.
+    docs = render(helm, "tokenKey.existingSecret=my-key")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    [volume] = [v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "token-key"]
+    assert volume["secret"]["secretName"] == "my-key"
 
 
 def test_env_names_are_the_operator_settings(helm: Path) -> None:

@@ -1,5 +1,6 @@
 """MegatronJobSpec in Python: the committed example parses, every bad job of ``BAD_JOBS`` is
-refused naming its field (the same list the API-server test applies), derived sizes are right,
+refused naming its field (bad names by the whole MegatronJob), quantities and GPUs equal to
+gpusPerPod parse (the same list the API-server test applies), derived sizes are right,
 and the status model round-trips through its wire form."""
 
 from __future__ import annotations
@@ -24,12 +25,24 @@ def test_example_parses_with_defaults_filled() -> None:
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)
 def test_bad_spec_is_refused_naming_the_field(bad: BadJob) -> None:
-    spec = with_spec(example_job(), **bad.changes)["spec"]
+    job = bad.job()
     with pytest.raises(ValidationError) as info:
-        MegatronJobSpec.model_validate(spec)
+        if bad.job_name is not None:  # the name is checked on the whole job
+            MegatronJob.model_validate(job)
+        else:
+            MegatronJobSpec.model_validate(job["spec"])
     locs = {".".join(str(p) for p in e["loc"]) for e in info.value.errors()}
     field = bad.expect.removeprefix("spec.")
-    assert bad.expect in str(info.value) or field in locs, f"{bad.name}: {info.value}"
+    # A union (int or quantity string) names its member after the field: resources.requests.cpu.int.
+    named = field in locs or any(loc.startswith(field + ".") for loc in locs)
+    assert bad.expect in str(info.value) or named, f"{bad.name}: {info.value}"
+
+
+def test_quantities_and_matching_gpus_parse() -> None:
+    resources = {"requests": {"cpu": "500m", "memory": "16Gi", "nvidia.com/gpu": 2},
+                 "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"}}
+    job = MegatronJob.model_validate(with_spec(example_job("n" * 62 + "0"), resources=resources))
+    assert job.spec.resources.requests["cpu"] == "500m" and job.spec.resources.limits["cpu"] == 4
 
 
 @pytest.mark.parametrize(

@@ -2,17 +2,21 @@
 plane; the node agent runs its pods as processes running the trainer agent and Megatron-Core
 workers on CPU/gloo. Scenario: the job trains; a worker pod's process is SIGKILLed (a GPU dies);
 the operator promotes the hot spare with the next epoch, the survivors reconfigure in place, and
-training continues from where it was to the last step; the job ends Succeeded with one recovery."""
+training continues from where it was to the last step; the job ends Succeeded with one recovery.
+Second scenario: the job's token Secret and Service are deleted while the operator is down; the
+next operator process recreates them with the same token, the running trainers keep reporting, a
+killed worker is replaced (the new spare starts with the recreated Secret) and the job succeeds."""
 
 from __future__ import annotations
 
+import base64
 import signal
 from pathlib import Path
 
 import pytest
 from e2e_support import dump, job_status, make_elastic_job, wait_for
 
-from localcluster.cluster import LocalCluster
+from localcluster.cluster import LocalCluster, free_port
 from localcluster.nodeagent import NodeAgent
 from localcluster.operator_run import running_operator
 
@@ -73,5 +77,51 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
             "the job to succeed",
             600,
             show,
+        )
+        assert final["recoveries"] == 1 and final["step"] == 60, show()
+
+
+def test_children_deleted_while_the_operator_is_down_are_restored_and_training_completes(
+    local_cluster: LocalCluster, process_nodes: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "operator.log"
+    name = "e2e-kids"
+    jobs = f"/apis/megatron.dev/v1alpha1/namespaces/{namespace}/megatronjobs"
+    secret_path = f"/api/v1/namespaces/{namespace}/secrets/{name}-token"
+    service_path = f"/api/v1/namespaces/{namespace}/services/{name}"
+
+    def show() -> str:
+        return dump(local_cluster, namespace, log)
+
+    def token() -> str | None:
+        code, secret = local_cluster.request("GET", secret_path)
+        return base64.b64decode(secret["data"]["token"]).decode() if code == 200 else None
+
+    port = free_port()  # both operator processes: the pods report to the URL they were created with
+    with running_operator(local_cluster, namespace, log, port):
+        code, body = local_cluster.request("POST", jobs, make_elastic_job(name, train_iters=60))
+        assert code == 201, body
+        wait_for(lambda: job_status(local_cluster, namespace, name).get("step", 0) >= 5, "step 5", 300, show)
+    before = token()
+    assert before
+    for path in (secret_path, service_path):
+        assert local_cluster.request("DELETE", path)[0] == 200
+    with running_operator(local_cluster, namespace, log, port):
+        wait_for(lambda: token() is not None and local_cluster.request("GET", service_path)[0] == 200,
+                 "the Secret and the Service recreated by the new operator", 60, show)
+        assert token() == before, "the recreated Secret holds another token: running pods would be locked out"
+        status = job_status(local_cluster, namespace, name)
+        victim = status["plan"]["members"][0]["pod"]
+        process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
+        # The plan reaches the survivors and the spare only with the job's first token; the new
+        # spare can start only with the recreated Secret (the node agent waits for it, as kubelet).
+        wait_for(
+            lambda: (s := job_status(local_cluster, namespace, name)).get("epoch", 0) >= 2
+            and s.get("sparesReady") == 1,
+            "the spare promoted and a new spare running", 180, show,
+        )
+        final = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, name)).get("phase") == "Succeeded" and s,
+            "the job to succeed", 600, show,
         )
         assert final["recoveries"] == 1 and final["step"] == 60, show()

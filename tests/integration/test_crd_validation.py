@@ -1,7 +1,9 @@
 """The CRD on a real kube-apiserver: the example job is accepted and shows in ``kubectl get``
-with its printer columns; every job of ``BAD_JOBS`` is refused by ``kubectl apply`` with a message
-naming the field; tp, pp, cp and gpusPerPod cannot change on a live job while replicas can; the
-status subresource accepts the operator's status and ignores status sent with the spec."""
+with its printer columns; every job of ``BAD_JOBS`` (bad fields, and names too long for a label or
+not a DNS-1035 label) is refused by ``kubectl apply`` with a message naming the field; quantities
+in their usual forms, GPUs equal to gpusPerPod and a 63-character name are accepted; tp, pp, cp
+and gpusPerPod cannot change on a live job while replicas can; the status subresource accepts the
+operator's status and ignores status sent with the spec."""
 
 from __future__ import annotations
 
@@ -34,10 +36,24 @@ def test_example_is_accepted_and_listed(local_cluster: LocalCluster, namespace: 
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)
 def test_bad_job_is_refused_naming_the_field(local_cluster: LocalCluster, namespace: str, bad: BadJob) -> None:
-    code, out = apply(local_cluster, namespace, with_spec(example_job(bad.name), **bad.changes))
+    job = bad.job()
+    code, out = apply(local_cluster, namespace, job)
     assert code != 0, f"{bad.name} was accepted:\n{out}"
     assert bad.expect in out, f"{bad.name}: refusal does not name the field:\n{out}"
-    assert local_cluster.kubectl("get", "mj", bad.name, "-n", namespace, check=False).returncode != 0
+    name = job["metadata"]["name"]
+    assert local_cluster.kubectl("get", "mj", name, "-n", namespace, check=False).returncode != 0
+
+
+def test_quantities_gpus_matching_gpus_per_pod_and_a_63_character_name_are_accepted(
+    local_cluster: LocalCluster, namespace: str
+) -> None:
+    resources = {
+        "requests": {"cpu": "500m", "memory": "16Gi", "ephemeral-storage": "1e3", "nvidia.com/gpu": 2},
+        "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"},
+    }
+    job = with_spec(example_job("n" * 62 + "0"), resources=resources)
+    code, out = apply(local_cluster, namespace, job)
+    assert code == 0, out
 
 
 @pytest.mark.parametrize(

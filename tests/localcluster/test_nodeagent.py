@@ -1,6 +1,7 @@
 """The node agent runs pods bound to its nodes as real local processes: environment with
 downward-API and Secret values, a loopback pod IP of its own, Running then Succeeded or Failed
-with the exit code (137 for SIGKILL), and the process killed and the pod removed on delete."""
+with the exit code (137 for SIGKILL), and the process killed and the pod removed on delete; a pod
+whose Secret is missing waits Pending (CreateContainerConfigError) and runs once it appears."""
 
 from __future__ import annotations
 
@@ -121,3 +122,24 @@ def test_pod_without_command_fails_clearly(local_cluster: LocalCluster, node_age
     create(local_cluster, namespace, pod, "pods")
     failed = wait_pod(local_cluster, namespace, "nocmd", "Failed")
     assert "no command" in failed["status"]["message"]
+
+
+def test_pod_waits_for_its_missing_secret_then_runs(
+    local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str
+) -> None:
+    create(local_cluster, namespace, make_pod("patient", "import os; assert os.environ['TOKEN'] == 'late'"), "pods")
+    deadline = time.monotonic() + 30
+    while True:  # Pending with the reason kubelet gives, not Failed
+        pod = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/patient")[1]
+        waiting = [(cs.get("state") or {}).get("waiting") for cs in pod["status"].get("containerStatuses") or []]
+        if waiting and waiting[0]:
+            break
+        assert time.monotonic() < deadline, f"pod not waiting: {json.dumps(pod['status'])[:800]}"
+        time.sleep(0.1)
+    assert pod["status"]["phase"] == "Pending", pod["status"]
+    assert waiting[0]["reason"] == "CreateContainerConfigError" and 'secret "tok" not found' in waiting[0]["message"]
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tok"},
+              "data": {"token": base64.b64encode(b"late").decode()}}
+    create(local_cluster, namespace, secret, "secrets")
+    done = wait_pod(local_cluster, namespace, "patient", "Succeeded")
+    assert done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0

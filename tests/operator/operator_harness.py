@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from aiohttp import ClientSession, ClientTimeout, web
 from operator_factories import make_job
 
+from localcluster.operator_run import token_key_file
 from megatron_contract import wire
 
 T = TypeVar("T")
@@ -79,6 +80,7 @@ class OperatorProcess:
             "MEGATRON_OPERATOR_LEASE_SECONDS": str(lease_seconds),
             "MEGATRON_OPERATOR_RESYNC_SECONDS": "1",
             "MEGATRON_OPERATOR_PUSH_TIMEOUT_SECONDS": "2",
+            "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(kubeconfig.parent)),
             **({"MEGATRON_OPERATOR_IDENTITY": identity} if identity else {}),
             **env,
         }

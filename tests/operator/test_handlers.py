@@ -5,7 +5,8 @@ Scenarios: the pod index keys pods by (namespace, job) and keeps their facts; th
 Ready; the registry routes reports to the job's controller by UID and knows its token; a report
 with an older epoch schedules an immediate re-push and wakes the controller; a report holding the
 epoch counts as acknowledgement; a report naming a failed peer or an unhealthy agent wakes it;
-pod events wake only their job's controller.
+pod events wake only their job's controller; a deleted Service has only its job's controller apply
+its children at once.
 """
 
 from __future__ import annotations
@@ -81,5 +82,19 @@ def test_pod_events_wake_only_their_job() -> None:
         assert not ctl.wake.is_set()
         handlers.pod_event(namespace="ns", labels={wire.LABEL_JOB: "job"}, pods_by_job={})
         assert ctl.wake.is_set()
+    finally:
+        handlers.REGISTRY = saved
+
+
+def test_a_deleted_service_has_its_job_apply_its_children_now() -> None:
+    registry, ctl = _registry_with_job()
+    ctl.children_due = False
+    handlers.REGISTRY, saved = registry, handlers.REGISTRY
+    try:
+        handlers.service_event(type="MODIFIED", namespace="ns", labels={wire.LABEL_JOB: "job"})
+        handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "other"})
+        assert not ctl.children_due and not ctl.wake.is_set()
+        handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "job"})
+        assert ctl.children_due and ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved

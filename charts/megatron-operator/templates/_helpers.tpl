@@ -27,3 +27,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the token key: the user's, or the one the chart creates. */}}
+{{- define "megatron-operator.tokenKeySecret" -}}
+{{- default (printf "%s-token-key" (include "megatron-operator.fullname" .)) .Values.tokenKey.existingSecret -}}
+{{- end -}}
