@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_trainer.worker import writer_processes
 from megatron_trainer.worker.model import TrainState
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def save_checkpoint(ts: TrainState, root: str | Path) -> Path:
     from megatron.core import dist_checkpointing
 
     start = time.perf_counter()
+    writer_processes.install_results_queue()  # its manager dies with this process
     target = checkpoint_dir(root, ts.step)
     if dist.get_rank() == 0:
         if target.exists():
