@@ -61,4 +61,10 @@ class AgentReport(WireModel):
     checkpoint_step: int | None = Field(
         default=None, ge=0, description="Step of the newest complete distributed checkpoint this pod's workers saved."
     )
+    checkpoint_rejected: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Why a worker's last restore rejected a checkpoint (failed verification); the worker then tried the"
+        " next older one, and stopped after two.",
+    )
     sent_at: datetime | None = None

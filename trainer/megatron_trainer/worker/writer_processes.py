@@ -1,8 +1,8 @@
 """The checkpoint writer's helper processes, tied to the worker's life.
 
 Megatron's ``dist_checkpointing`` save runs two kinds of helper processes: a multiprocessing
-manager (spawned once, ~500 MB: it unpickles torch objects) whose queue carries the write results
-back, and, for an asynchronous save, a writer forked per save. Both are children of the worker,
+manager (spawned once) whose queue carries the write results back, and, for an asynchronous save,
+a writer forked per save. Both are children of the worker,
 and a SIGKILLed worker would leave them running, reparented to init. The agent ends the worker's
 whole process group, but a worker can also die where nobody does that (it exits when the agent's
 channel closes), so each helper also asks the kernel to SIGKILL it when its parent dies
@@ -12,7 +12,9 @@ A forked writer also closes the sockets it inherited: a copy of the agent channe
 NCCL bootstrap connection held by the writer would hide the worker's death (no EOF) from the
 agent and from its peers until the write ended.
 
-torch-free: the spawned manager imports this module to run :func:`die_with_parent`.
+The queue handed to Megatron carries the results pickled to bytes, so the manager never unpickles
+a torch object: it does not import torch (Megatron's own manager did, on the first save: ~500 MB
+and seconds of a save's time). torch-free: the spawned manager imports this module.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import pickle
 import signal
 import stat
 from collections.abc import Iterator
@@ -56,8 +59,25 @@ def results_queue() -> Any:
     if _manager is None:
         _manager = SyncManager(ctx=get_context("spawn"))
         _manager.start(initializer=die_with_parent)
-        _queue = _manager.Queue()
+        _queue = BytesQueue(_manager.Queue())
     return _queue
+
+
+class BytesQueue:
+    """The part of a queue Megatron's writer uses (``put``, ``get``, ``get_nowait``), carrying
+    pickled bytes through a manager's queue (see the module docstring)."""
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+
+    def put(self, item: object) -> None:
+        self._queue.put(pickle.dumps(item))
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return pickle.loads(self._queue.get(*args, **kwargs))
+
+    def get_nowait(self) -> Any:
+        return pickle.loads(self._queue.get_nowait())
 
 
 def install_results_queue() -> None:
