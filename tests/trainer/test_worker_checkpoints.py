@@ -15,7 +15,13 @@ storage, made deterministic. Scenarios:
 - damaged checkpoints on restore: a truncated file is rejected (reported) and the next older
   checkpoint restored, training then matches the undamaged run bit for bit; a checkpoint with no
   manifest and one with a flipped bit are both rejected, and after these two failures the worker
-  stops (fails, naming both) instead of trying further.
+  stops (fails, naming both) instead of trying further;
+- a re-mesh during a save (a DP peer SIGKILLed while the writers are held): the survivors abandon
+  the save (never reported, its partial directory deleted later) and the saves of the new epoch
+  complete, with the new mesh in their manifests;
+- resharded restore: a checkpoint written at TP2xDP2 restored at TP2xDP1 and at TP1xDP1 (fully
+  parallel load); the next step's loss equals the uninterrupted run's bit for bit, the one after
+  to rounding (its gradients were summed over another layout).
 """
 
 from __future__ import annotations
@@ -205,7 +211,8 @@ def test_damaged_checkpoints_are_rejected_the_older_one_restored_and_two_failure
     cluster.assign(plan, ["r1"])
     for w in cluster.workers(["r1"]):
         wait_for(lambda w=w: "failed" in w.states() or w.eof.is_set(), 120, f"{w.name} to stop")
-        assert [(m.kind, m.step) for m in w.of_type(CheckpointProblem)] == [("rejected", 8), ("rejected", 6)]
+        kinds = [(m.kind, m.step) for m in w.of_type(CheckpointProblem)]
+        assert kinds == [("rejected", 8), ("rejected", 6), ("unusable", 8)]
         problems = [m.detail for m in w.of_type(CheckpointProblem)]
         assert MANIFEST in problems[0] and "sha256" in problems[1]
         [detail] = [m.detail for m in w.of_type(WorkerStatus) if m.state == "failed"]
@@ -223,3 +230,83 @@ def test_damaged_checkpoints_are_rejected_the_older_one_restored_and_two_failure
         assert (rejected.kind, rejected.step) == ("rejected", 4) and "truncated" in rejected.detail
     assert cluster.losses(["a", "r2"]) == expected
     assert min(p.step for w in cluster.workers(["r2"]) for p in w.of_type(Progress)) == 3
+
+
+def test_a_re_mesh_during_a_save_abandons_it_and_later_saves_complete(
+    tmp_path: Path, make_cluster: list[WorkerCluster]
+) -> None:
+    root, gate = tmp_path / "ckpt", tmp_path / "gate"
+    gate.mkdir()
+    iters = 10
+    spec = make_spec(spares=0, replicas=2, min_replicas=1, train_iters=iters)
+    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(path=str(root), interval_steps=2, keep=2)})
+    cluster = WorkerCluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
+    make_cluster.append(cluster)
+    cluster.start_pod("a")
+    cluster.start_pod("b")
+    cluster.wait_ready(["a", "b"])
+    cluster.assign(cluster.plan(["a", "b"]))
+    cluster.wait_steps(["a", "b"], 3)
+    assert partial_dir(root, 2).is_dir()  # its writers wait at the gate
+
+    # A DP peer dies while the save is in flight; the survivors re-mesh without it.
+    cluster.kill_pod("b")
+    cluster.wait_failed_reports(["a"], epoch=1)
+    resume = max(w.last_step() for w in cluster.workers(["a"]))
+    cluster.assign(cluster.plan(["a"], resume_step=resume, reason=PlanReason.SHRINK), ["a"])
+    cluster.wait_steps(["a"], resume + 1)
+    open_gate(gate, *range(2, iters + 1, 2))
+    cluster.wait_succeeded(["a"])
+
+    saved = saved_steps(cluster, "a")
+    assert 2 not in saved and saved[-1] == iters, "the abandoned save is never reported"
+    assert complete_steps(root) == sorted(saved, reverse=True)[:2]
+    assert not [p.name for p in root.iterdir() if p.name.startswith(PARTIAL_PREFIX)]
+    for step in complete_steps(root):
+        manifest = json.loads((checkpoint_dir(root, step) / MANIFEST).read_text())
+        assert manifest["mesh"]["dp"] == 1 and manifest["epoch"] == 2
+        verify_files(checkpoint_dir(root, step), manifest, manifest["files"])
+    logs = "\n".join(w.log_path.read_text() for w in cluster.workers(["a"]))
+    assert "checkpoint of step 2 abandoned" in logs
+
+
+def test_a_checkpoint_reshards_to_other_data_and_tensor_parallel_sizes(
+    tmp_path: Path, make_cluster: list[WorkerCluster]
+) -> None:
+    root = tmp_path / "ckpt"
+    iters = 6
+    checkpoints = CheckpointSpec(path=str(root), interval_steps=2, keep=4, async_save=False)
+    spec = make_spec(spares=1, replicas=2, min_replicas=1, train_iters=iters).model_copy(
+        update={"checkpoint": checkpoints}
+    )  # TP2 x DP2 over pods a and b
+    cluster = WorkerCluster(spec, tmp_path / "run")
+    make_cluster.append(cluster)
+    # TP1 x DP1: the same model and checkpoints, one worker.
+    tp1_spec = make_spec(spares=0, replicas=1, min_replicas=1, tp=1, gpus_per_pod=1, train_iters=iters)
+    tp1 = WorkerCluster(tp1_spec.model_copy(update={"checkpoint": checkpoints}), tmp_path / "tp1")
+    make_cluster.append(tp1)
+    for pod in ("a", "b", "r"):
+        cluster.start_pod(pod)
+    tp1.start_pod("t")
+    cluster.wait_ready(["a", "b", "r"])
+    tp1.wait_ready(["t"])
+    cluster.assign(cluster.plan(["a", "b"]), ["a", "b"])
+    cluster.wait_succeeded(["a", "b"])
+    expected = cluster.losses(["a", "b"])
+    assert 4 in complete_steps(root)
+
+    # DP 2 -> 1 (TP 2): pod r alone restores step 4.
+    cluster.assign(
+        cluster.plan(["r"], resume_step=4, reason=PlanReason.REPLACE, sources=checkpoint_sources(spec, 4)), ["r"]
+    )
+    # TP 2 -> 1: worker t restores step 4 too.
+    tp1.assign(tp1.plan(["t"], resume_step=4, reason=PlanReason.REPLACE, sources=checkpoint_sources(tp1.spec, 4)))
+    cluster.wait_succeeded(["r"])
+    tp1.wait_succeeded(["t"])
+    for name, got in (("DP 2->1", cluster.losses(["r"])), ("TP 2->1", tp1.losses(["t"]))):
+        assert sorted(got) == [5, 6]
+        print(f"{name}: losses {got}, uninterrupted {expected}")
+        # The next loss comes from the restored weights: bit for bit the uninterrupted run's.
+        assert got[5] == expected[5], f"{name}: next loss {got[5]!r}, uninterrupted {expected[5]!r}"
+        # The step after sums gradients over another DP/TP layout: equal to rounding.
+        assert got[6] == pytest.approx(expected[6], rel=1e-5, abs=0)

@@ -81,12 +81,14 @@ class CheckpointSaved(WireModel):
 class CheckpointProblem(WireModel):
     """A checkpoint that was not taken or not used: ``skipped`` (a save was due while the previous
     one was still being written), ``failed`` (a save that could not be completed) or ``rejected``
-    (a checkpoint that failed verification on restore; the next older one is tried)."""
+    (a checkpoint that failed verification on restore; the next older one is tried) or
+    ``unusable`` (the restore gave up after two rejections: the worker fails next; restoring again
+    would loop)."""
 
     type: Literal["checkpoint_problem"] = "checkpoint_problem"
     epoch: int
     step: int
-    kind: Literal["skipped", "failed", "rejected"]
+    kind: Literal["skipped", "failed", "rejected", "unusable"]
     detail: str = ""
 
 

@@ -72,6 +72,7 @@ class Agent:
         self.pending_failures: list[PeerFailure] = []
         self.checkpoint_step: int | None = None  # newest complete checkpoint a local worker saved
         self.checkpoint_rejected: str | None = None  # the last checkpoint a restore rejected, and why
+        self.checkpoint_unusable: str | None = None  # a restore that gave up (two rejections)
         # A worker that replaces a dead one must not join the epoch its predecessor broke.
         self._broken_epoch = 0
         self._restarts = 0
@@ -265,6 +266,8 @@ class Agent:
         )
         if message.kind == "rejected":
             self.checkpoint_rejected = f"step {message.step}: {message.detail}"[:1024]
+        elif message.kind == "unusable":
+            self.checkpoint_unusable = message.detail[:1024]
 
     def _on_phase_times(self, handle: WorkerHandle, message: PhaseTimes) -> None:
         durations, instants = split_phase_times(message.phases)
@@ -418,6 +421,7 @@ class Agent:
             failed_peers=list(self.pending_failures),
             checkpoint_step=self.checkpoint_step,
             checkpoint_rejected=self.checkpoint_rejected,
+            checkpoint_unusable=self.checkpoint_unusable,
             sent_at=datetime.now(UTC),
         )
 

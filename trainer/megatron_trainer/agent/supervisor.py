@@ -88,8 +88,10 @@ def silence_allowed(
     """How long a training worker may stay silent after its last message.
 
     Workers save a checkpoint right after reporting a step that is a multiple of the checkpoint
-    interval, synchronously (a 1 B model took ~22 s on 4xH200, see shared/FACTS.md); a silence
-    then is a save, not a hang, and gets the save's grace on top.
+    interval. An asynchronous save holds the step only for the device-to-host copy, but a
+    synchronous one (``asyncSave: false``) and the final save at the end of training wait for the
+    write (a 1 B model took ~22 s on 4xH200); a silence then is a save, not a hang, and gets the
+    save's grace on top.
     """
     saving = (
         checkpoint_interval_steps is not None

@@ -97,11 +97,20 @@ def _write_and_record(
     log.info("writer: %d files of %s written in %.2fs", len(buckets), Path(directory).name, time.perf_counter() - start)
 
 
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    """A checkpoint that became complete."""
+
+    step: int
+    blocking_seconds: float  # training-thread time of the step that started it (sync: the whole save)
+    total_seconds: float  # from its start to complete
+
+
 @dataclasses.dataclass
 class SaveOutcome:
     """What one call of :meth:`CheckpointSaver.after_step` did."""
 
-    completed: int | None = None  # step of a checkpoint that became complete
+    completed: list[Completed] = dataclasses.field(default_factory=list)  # checkpoints that became complete
     skipped: int | None = None  # step whose save was not started: the previous one still ran
     failed: str | None = None  # a save that could not be completed, and why
     blocking_seconds: float = 0.0  # time the training thread spent in the call
@@ -131,9 +140,6 @@ class CheckpointSaver:
         self._queue: Any = None  # megatron's AsyncCallsQueue, made at the first save
         self._in_flight: _InFlight | None = None
         self._last_started: int | None = None
-        # Of the last completed save: training-thread time spent starting it; start to complete.
-        self.last_blocking_seconds: float | None = None
-        self.last_total_seconds: float | None = None
         writer_processes.install_results_queue()  # starts the writers' manager now, not at the first save
 
     @property
@@ -172,11 +178,9 @@ class CheckpointSaver:
         outcome = SaveOutcome()
         if self._in_flight is not None:
             self._poll(outcome, blocking=True)
-        if ts.step % self.interval == 0 and outcome.completed != ts.step and self._last_started != ts.step:
-            final = SaveOutcome()
+        if ts.step % self.interval == 0 and self._last_started != ts.step:
             self._start(ts, epoch, mesh)
-            self._poll(final, blocking=True)
-            outcome.completed, outcome.failed = final.completed, final.failed or outcome.failed
+            self._poll(outcome, blocking=True)
         outcome.blocking_seconds = time.perf_counter() - start
         return outcome
 
@@ -193,6 +197,9 @@ class CheckpointSaver:
                 process.join(10)
             call.async_caller.process = None
             call.async_caller.preloaded_holder = None
+        # A writer that finished before it was killed left its results on the shared queue,
+        # where the next save would read them as its own.
+        writer_processes.drain_results()
         self._queue = None
         self._in_flight = None
 
@@ -250,10 +257,10 @@ class CheckpointSaver:
             outcome.failed = f"checkpoint of step {flight.step} not published: {errors[0]}"
             log.error("%s", outcome.failed)
             return
-        self.last_total_seconds = time.perf_counter() - flight.started
-        self.last_blocking_seconds = flight.blocking if self.asynchronous else self.last_total_seconds
-        outcome.completed = flight.step
-        log.info("checkpoint of step %d complete in %.2fs", flight.step, self.last_total_seconds)
+        total = time.perf_counter() - flight.started
+        blocking = flight.blocking if self.asynchronous else total
+        outcome.completed.append(Completed(flight.step, blocking, total))
+        log.info("checkpoint of step %d complete in %.2fs (training held %.3fs)", flight.step, total, blocking)
 
     def _publish(self, flight: _InFlight) -> str:
         header = {

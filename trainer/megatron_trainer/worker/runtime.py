@@ -351,14 +351,18 @@ class Worker:
             step = step if step is not None else plan.resume_step
             # Raises CheckpointUnusable after two checkpoints failed verification: the worker then
             # fails (reported) instead of restoring again and again.
-            checkpoint.restore_checkpoint(
-                ts,
-                self.spec,
-                step,
-                on_rejected=lambda s, why: self.send(
-                    CheckpointProblem(epoch=plan.epoch, step=s, kind="rejected", detail=why[:1000])
-                ),
-            )
+            try:
+                checkpoint.restore_checkpoint(
+                    ts,
+                    self.spec,
+                    step,
+                    on_rejected=lambda s, why: self.send(
+                        CheckpointProblem(epoch=plan.epoch, step=s, kind="rejected", detail=why[:1000])
+                    ),
+                )
+            except checkpoint.CheckpointUnusable as err:
+                self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="unusable", detail=str(err)[:1000]))
+                raise
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         phases["restore"] = time.perf_counter() - t
@@ -478,13 +482,13 @@ class Worker:
 
     def _report_checkpoint(self, plan: MeshPlan, outcome: checkpoint.SaveOutcome) -> None:
         assert self.saver is not None
-        if outcome.completed is not None:
+        for done in outcome.completed:
             self.send(
                 CheckpointSaved(
                     epoch=plan.epoch,
-                    step=outcome.completed,
-                    blocking_seconds=self.saver.last_blocking_seconds,
-                    total_seconds=self.saver.last_total_seconds,
+                    step=done.step,
+                    blocking_seconds=done.blocking_seconds,
+                    total_seconds=done.total_seconds,
                 )
             )
         if outcome.skipped is not None:

@@ -8,7 +8,7 @@ whole process group, but a worker can also die where nobody does that (it exits 
 channel closes), so each helper also asks the kernel to SIGKILL it when its parent dies
 (``PR_SET_PDEATHSIG``).
 
-A forked writer also closes the sockets it inherited: a copy of the agent channel or of a gloo or
+A forked writer also lets go of the sockets it inherited: a copy of the agent channel or of a gloo or
 NCCL bootstrap connection held by the writer would hide the worker's death (no EOF) from the
 agent and from its peers until the write ended.
 
@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 import pickle
+import queue
 import signal
 import stat
 from collections.abc import Iterator
@@ -79,6 +80,21 @@ class BytesQueue:
     def get_nowait(self) -> Any:
         return pickle.loads(self._queue.get_nowait())
 
+    def drain(self) -> int:
+        """Drop every result waiting (an abandoned save's); returns how many."""
+        dropped = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return dropped
+            dropped += 1
+
+
+def drain_results() -> int:
+    """Drop results an abandoned save's writers left: the next save reads its own from the queue."""
+    return _queue.drain() if _queue is not None else 0
+
 
 def install_results_queue() -> None:
     """Make Megatron's writers use :func:`results_queue` instead of starting a manager of their
@@ -105,9 +121,16 @@ def _after_fork_in_child() -> None:
     if not _forking_writer:
         return
     die_with_parent()
-    for fd in _inherited_sockets():
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    # /dev/null over each socket rather than close(): the descriptor numbers stay taken, so the
+    # Python objects that still name them (closed later, e.g. a manager connection dropped after
+    # the fork) never close a descriptor the writer has opened since.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in _inherited_sockets():
+            with contextlib.suppress(OSError):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
