@@ -187,6 +187,7 @@ class JobController:
             accusations=self.book.accusations(self.job.uid, plan.epoch) if plan is not None else (),
             completed_step=self.book.completed_step(self.job.uid, members),
             all_succeeded=self.book.succeeded(self.job.uid, members),
+            checkpoint_unusable=self.book.checkpoint_unusable(self.job.uid),
         )
         a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected,
                    checkpoint_step=self._checkpoint_step(), retired=self.retired,

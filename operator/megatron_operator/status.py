@@ -38,6 +38,7 @@ class Reason:
     SPARES_READY = "SparesReady"
     NO_SPARES_REQUESTED = "NoSparesRequested"
     MAX_RECOVERIES = "MaxRecoveriesExceeded"
+    CHECKPOINT_UNUSABLE = "CheckpointUnusable"
     INVALID_SPEC = "InvalidSpec"
     TRAINING_FINISHED = "TrainingFinished"
     NOT_FINISHED = "NotFinished"
