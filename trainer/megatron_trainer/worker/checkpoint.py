@@ -13,8 +13,13 @@ reported. A save in flight when the epoch ends (a re-mesh, a failure, shutdown) 
 writer is killed and its partial directory never becomes a checkpoint; the collectives a
 finalization needs belong to the epoch being torn down.
 
+Both directions use Megatron's fully parallel wrappers over the data-parallel group: the DP
+replicas share the writing of what they all hold, and on load each reads a share of the shards
+and they exchange the rest.
+
 Loading verifies first: the manifest against the job's configuration, and every file's size and
-sha256 (the files are shared out over the ranks, the verdict agreed by all). A checkpoint that
+sha256 (the files are shared out over the ranks, the verdict agreed by all; this reads the
+checkpoint once more than the load itself). A checkpoint that
 fails is skipped with a log line and a report to the agent, and the next older one is tried; the
 second failure ends the restore with :class:`CheckpointUnusable`.
 """
@@ -216,7 +221,11 @@ class CheckpointSaver:
             directory.mkdir(parents=True)
         dist.barrier()
         request = dist_checkpointing.save(
-            _sharded_state_dict(ts), str(directory), async_sharded_save=True, async_strategy="mcore"
+            _sharded_state_dict(ts),
+            str(directory),
+            sharded_strategy=_save_strategy(),
+            async_sharded_save=True,
+            async_strategy="mcore",
         )
         assert request is not None
         rank = dist.get_rank()
@@ -338,6 +347,21 @@ def _verify(directory: Path, expected_hash: str) -> str | None:
     return found[0] if found else None
 
 
+def _data_parallel_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _save_strategy() -> Any:
+    """Megatron's fully parallel save: the DP replicas share the writing of what they all hold
+    (without it DP rank 0 writes every replicated tensor)."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), _data_parallel_group())
+
+
 def _load(ts: TrainState, directory: Path, parallel_load: bool) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
@@ -345,9 +369,9 @@ def _load(ts: TrainState, directory: Path, parallel_load: bool) -> None:
 
     strategy = None
     if parallel_load and dist.get_world_size() > 1:
-        # Each replica reads a share of the files and the ranks exchange the rest, instead of every
-        # replica reading everything.
-        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+        # Megatron's fully parallel load: each DP replica reads a share of the shards and the
+        # replicas exchange the rest, instead of every replica reading everything.
+        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), _data_parallel_group())
     start = time.perf_counter()
     loaded = dist_checkpointing.load(_sharded_state_dict(ts, is_loading=True), str(directory), strategy)
     ts.model.load_state_dict(loaded["model"])
