@@ -21,7 +21,9 @@ storage, made deterministic. Scenarios:
   complete, with the new mesh in their manifests;
 - resharded restore: a checkpoint written at TP2xDP2 restored at TP2xDP1 and at TP1xDP1 (fully
   parallel load); the next step's loss equals the uninterrupted run's bit for bit, the one after
-  to rounding (its gradients were summed over another layout).
+  to rounding (its gradients were summed over another layout);
+- a write that fails (injected through the gate) is reported as failed, never as saved, and
+  training goes on; the next save completes and the failed one's partial directory is deleted.
 """
 
 from __future__ import annotations
@@ -310,3 +312,26 @@ def test_a_checkpoint_reshards_to_other_data_and_tensor_parallel_sizes(
         assert got[5] == expected[5], f"{name}: next loss {got[5]!r}, uninterrupted {expected[5]!r}"
         # The step after sums gradients over another DP/TP layout: equal to rounding.
         assert got[6] == pytest.approx(expected[6], rel=1e-5, abs=0)
+
+
+def test_a_failed_write_is_reported_and_the_next_save_completes(
+    tmp_path: Path, make_cluster: list[WorkerCluster]
+) -> None:
+    root, gate = tmp_path / "ckpt", tmp_path / "gate"
+    gate.mkdir()
+    (gate / "2").write_text("fail")  # storage fails the save of step 2
+    open_gate(gate, 4, 6)
+    spec = checkpointed_spec(root, iters=6, interval=2, keep=2)
+    cluster = WorkerCluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
+    make_cluster.append(cluster)
+    cluster.start_pod("a")
+    cluster.wait_ready(["a"])
+    cluster.assign(cluster.plan(["a"]))
+    cluster.wait_succeeded(["a"])
+    for w in cluster.workers(["a"]):
+        failed = [m for m in w.of_type(CheckpointProblem) if m.kind == "failed"]
+        assert [m.step for m in failed] == [2] and "checkpoint of step 2 failed" in failed[0].detail
+    saved = saved_steps(cluster, "a")
+    assert 2 not in saved and saved[-1] == 6
+    assert complete_steps(root) == sorted(saved, reverse=True)[:2]
+    assert not [p.name for p in root.iterdir() if p.name.startswith(PARTIAL_PREFIX)]

@@ -62,8 +62,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_VERIFICATION_FAILURES = 2
-# For tests (slow storage, made deterministic): a directory; the writer of step N waits until a
-# file named N exists in it before writing.
+# For tests (slow or failing storage, made deterministic): a directory; the writer of step N waits
+# until a file named N exists in it before writing, and fails instead if the file says "fail".
 ENV_WRITER_GATE = "MEGATRON_CHECKPOINT_WRITER_GATE"
 # Megatron's DistributedOptimizer only reshards (DP change) from this format.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -95,6 +95,8 @@ def _write_and_record(
         opened = Path(gate) / str(int(Path(directory).name.rsplit("-", 1)[1]))
         while not opened.exists():
             time.sleep(0.05)
+        if opened.read_text().strip() == "fail":
+            raise OSError(f"write of {Path(directory).name} failed (injected through {ENV_WRITER_GATE})")
     start = time.perf_counter()
     write(*args, **kwargs)
     buckets = args[1]  # Megatron's write buckets: (path, storage key, data) per file
@@ -117,7 +119,7 @@ class SaveOutcome:
 
     completed: list[Completed] = dataclasses.field(default_factory=list)  # checkpoints that became complete
     skipped: int | None = None  # step whose save was not started: the previous one still ran
-    failed: str | None = None  # a save that could not be completed, and why
+    failed: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (step, why) of saves given up
     blocking_seconds: float = 0.0  # time the training thread spent in the call
 
 
@@ -167,8 +169,7 @@ class CheckpointSaver:
                     ts.step,
                     self._in_flight.step,
                 )
-            else:
-                self._start(ts, epoch, mesh)
+            elif self._start(ts, epoch, mesh, outcome):
                 assert self._in_flight is not None
                 self._in_flight.blocking = time.perf_counter() - start
                 if not self.asynchronous:
@@ -183,8 +184,7 @@ class CheckpointSaver:
         outcome = SaveOutcome()
         if self._in_flight is not None:
             self._poll(outcome, blocking=True)
-        if ts.step % self.interval == 0 and self._last_started != ts.step:
-            self._start(ts, epoch, mesh)
+        if ts.step % self.interval == 0 and self._last_started != ts.step and self._start(ts, epoch, mesh, outcome):
             self._poll(outcome, blocking=True)
         outcome.blocking_seconds = time.perf_counter() - start
         return outcome
@@ -210,16 +210,27 @@ class CheckpointSaver:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _start(self, ts: TrainState, epoch: int, mesh: dict[str, Any]) -> None:
+    def _start(self, ts: TrainState, epoch: int, mesh: dict[str, Any], outcome: SaveOutcome) -> bool:
+        """Plan the save and fork the writers; False (and ``outcome.failed``) when the directory
+        cannot be made."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         writer_processes.install_results_queue()
         directory = partial_dir(self.root, ts.step)
+        self._last_started = ts.step
+        error: list[str | None] = [None]
         if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)  # an earlier attempt at the same step
-            directory.mkdir(parents=True)
-        dist.barrier()
+            try:
+                shutil.rmtree(directory, ignore_errors=True)  # an earlier attempt at the same step
+                directory.mkdir(parents=True)
+            except OSError as err:
+                error[0] = f"{type(err).__name__}: {err}"
+        dist.broadcast_object_list(error, src=0)  # every rank gives up together, or none does
+        if error[0]:
+            outcome.failed.append((ts.step, f"checkpoint of step {ts.step} not started: {error[0]}"))
+            log.error("%s", outcome.failed[-1][1])
+            return False
         request = dist_checkpointing.save(
             _sharded_state_dict(ts),
             str(directory),
@@ -242,19 +253,20 @@ class CheckpointSaver:
         with writer_processes.forking_writer():
             self._queue.schedule_async_request(request)
         self._in_flight = _InFlight(ts.step, directory, time.perf_counter(), mesh, epoch)
-        self._last_started = ts.step
+        return True
 
     def _poll(self, outcome: SaveOutcome, blocking: bool) -> None:
         from megatron.core.dist_checkpointing.core import CheckpointingException
+        from torch.distributed.checkpoint import CheckpointException  # a BaseException
 
         assert self._in_flight is not None
         flight = self._in_flight
         try:
             done = self._queue.maybe_finalize_async_calls(blocking=blocking)
-        except CheckpointingException as err:  # a writer failed (disk full...): raised on every rank
+        except (CheckpointingException, CheckpointException) as err:  # a writer failed: raised on every rank
             self._queue, self._in_flight = None, None
-            outcome.failed = f"checkpoint of step {flight.step} failed: {err}"
-            log.error("%s", outcome.failed)
+            outcome.failed.append((flight.step, f"checkpoint of step {flight.step} failed: {err}"))
+            log.error("%s", outcome.failed[-1][1])
             return
         if not done:
             return
@@ -263,8 +275,8 @@ class CheckpointSaver:
         errors: list[str | None] = [error]
         dist.broadcast_object_list(errors, src=0)
         if errors[0]:
-            outcome.failed = f"checkpoint of step {flight.step} not published: {errors[0]}"
-            log.error("%s", outcome.failed)
+            outcome.failed.append((flight.step, f"checkpoint of step {flight.step} not published: {errors[0]}"))
+            log.error("%s", outcome.failed[-1][1])
             return
         total = time.perf_counter() - flight.started
         blocking = flight.blocking if self.asynchronous else total

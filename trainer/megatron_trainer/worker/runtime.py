@@ -494,9 +494,8 @@ class Worker:
         if outcome.skipped is not None:
             detail = f"the save of step {self.saver.in_flight} was still being written"
             self.send(CheckpointProblem(epoch=plan.epoch, step=outcome.skipped, kind="skipped", detail=detail))
-        if outcome.failed is not None:
-            step = self.ts.step if self.ts is not None else 0
-            self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="failed", detail=outcome.failed[:1000]))
+        for step, why in outcome.failed:
+            self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="failed", detail=why[:1000]))
 
     def _on_step_failure(self, plan: MeshPlan, failure: str) -> None:
         """The step failed or was aborted: discard it, free the groups, and report when it was
