@@ -19,9 +19,10 @@ storage, made deterministic. Scenarios:
 - a re-mesh during a save (a DP peer SIGKILLed while the writers are held): the survivors abandon
   the save (never reported, its partial directory deleted later) and the saves of the new epoch
   complete, with the new mesh in their manifests;
-- resharded restore: a checkpoint written at TP2xDP2 restored at TP2xDP1 and at TP1xDP1 (fully
-  parallel load); the next step's loss equals the uninterrupted run's bit for bit, the one after
-  to rounding (its gradients were summed over another layout);
+- resharded restore: a checkpoint written at TP2xDP2 restored at TP2xDP1 and at TP1xDP1, one
+  written at TP2xDP1 restored at TP2xDP2 (fully parallel load); the next step's loss equals the
+  uninterrupted run's bit for bit, the one after to rounding (its gradients were summed over
+  another layout);
 - a write that fails (injected through the gate) is reported as failed, never as saved, and
   training goes on; the next save completes and the failed one's partial directory is deleted.
 """
@@ -335,3 +336,32 @@ def test_a_failed_write_is_reported_and_the_next_save_completes(
     assert 2 not in saved and saved[-1] == 6
     assert complete_steps(root) == sorted(saved, reverse=True)[:2]
     assert not [p.name for p in root.iterdir() if p.name.startswith(PARTIAL_PREFIX)]
+
+
+def test_a_checkpoint_reshards_to_a_larger_data_parallel_size(
+    tmp_path: Path, make_cluster: list[WorkerCluster]
+) -> None:
+    root = tmp_path / "ckpt"
+    iters = 6
+    checkpoints = CheckpointSpec(path=str(root), interval_steps=2, keep=4, async_save=False)
+    spec = make_spec(spares=1, replicas=2, min_replicas=1, train_iters=iters).model_copy(
+        update={"checkpoint": checkpoints}
+    )
+    cluster = WorkerCluster(spec, tmp_path / "run")
+    make_cluster.append(cluster)
+    for pod in ("a", "b", "c"):
+        cluster.start_pod(pod)
+    cluster.wait_ready(["a", "b", "c"])
+    cluster.assign(cluster.plan(["a"]), ["a"])  # TP2 x DP1
+    cluster.wait_succeeded(["a"])
+    expected = cluster.losses(["a"])
+    # DP 1 -> 2: pods b and c restore step 4 together.
+    sources = {
+        r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=4) for r in range(2 * spec.gpus_per_pod)
+    }
+    cluster.assign(cluster.plan(["b", "c"], resume_step=4, reason=PlanReason.GROW, sources=sources), ["b", "c"])
+    cluster.wait_succeeded(["b", "c"])
+    got = cluster.losses(["b", "c"])
+    assert sorted(got) == [5, 6]
+    assert got[5] == expected[5], f"next loss {got[5]!r}, uninterrupted {expected[5]!r}"
+    assert got[6] == pytest.approx(expected[6], rel=1e-5, abs=0)
