@@ -3,6 +3,9 @@
 ``local_cluster`` starts etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok
 on loopback once per test session (the binaries are built on first use and cached outside the
 clone), installs the CRDs from ``crds/`` and registers four fake GPU nodes.
+
+At session finish the run fails if a process it started is still running (``leftover_processes``,
+checked after these fixtures are torn down).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from leftover_processes import pytest_sessionfinish  # noqa: F401 - the session-end check, a hook
 from localcluster.cluster import LocalCluster
 
 

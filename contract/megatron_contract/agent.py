@@ -61,4 +61,16 @@ class AgentReport(WireModel):
     checkpoint_step: int | None = Field(
         default=None, ge=0, description="Step of the newest complete distributed checkpoint this pod's workers saved."
     )
+    checkpoint_rejected: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Why a worker's last restore rejected a checkpoint (failed verification); the worker then tried the"
+        " next older one, and stopped after two.",
+    )
+    checkpoint_unusable: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Set when a worker's restore gave up: two checkpoints failed verification. Restoring again would"
+        " loop; the job needs a person (or an older checkpoint).",
+    )
     sent_at: datetime | None = None

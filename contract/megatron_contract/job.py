@@ -62,6 +62,15 @@ class CheckpointSpec(WireModel):
     path: str = Field(min_length=1, description="Directory (a mounted PVC or bucket path) for checkpoints.")
     interval_steps: int = Field(default=100, ge=1, description="Save every this many steps.")
     volume_claim_name: str | None = Field(default=None, description="PVC mounted at path in every pod.")
+    keep: int = Field(
+        default=2,
+        ge=1,
+        description="Complete checkpoints kept; older ones are deleted once a newer one is complete.",
+    )
+    async_save: bool = Field(
+        default=True,
+        description="Write in the background after the device-to-host copy (false: the step waits for the write).",
+    )
 
 
 class FailureDetectionSpec(WireModel):

@@ -4,7 +4,9 @@ Pods that the scheduler binds to this agent's nodes run as local processes: the 
 command and args with its environment (plain values, downward-API ``fieldRef`` and
 ``secretKeyRef`` resolved), a loopback pod IP of its own (``127.P.x.y``, so every pod can bind
 the same ports), status reported as Running, then Succeeded or Failed with the exit code (128+N
-for a signal, as container runtimes do), and the process group killed when the pod is deleted.
+for a signal, as container runtimes do), and every process of the pod killed when it is deleted.
+A pod is a session (its command starts one): processes that lead process groups of their own in
+it (the trainer's workers do) still belong to the pod, as they would to its container.
 A pod whose Secret (or key) is missing stays Pending with its container waiting for
 ``CreateContainerConfigError`` and is retried every second until it appears, as kubelet does.
 Nodes stay Ready through Lease renewals. ``python``/``python3`` as the command run with this
@@ -43,7 +45,20 @@ RENEW_SECONDS = 10
 #: How often a pod waiting for a missing Secret is tried again.
 CONFIG_RETRY_SECONDS = 1.0
 #: Variables a pod inherits from the agent (so the project's Python and paths work inside it).
-PASSTHROUGH_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "MEGATRON_OPERATOR_CACHE", "TMPDIR")
+# MEGATRON_TEST_SESSION: the test suite's mark on every process it starts (tests/leftover_processes.py).
+PASSTHROUGH_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "MEGATRON_OPERATOR_CACHE", "TMPDIR", "MEGATRON_TEST_SESSION")
+
+
+def signal_session(sid: int, sig: int) -> None:
+    """Send ``sig`` to every process of session ``sid`` (a pod: its main process started it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sid, sig)  # the main group first, then the groups its processes made
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getsid(int(entry.name)) == sid:
+                os.kill(int(entry.name), sig)
 
 
 def _now() -> str:
@@ -452,6 +467,8 @@ class NodeAgent:
             )
 
     def _kill(self, running: RunningPod, grace: float) -> None:
+        # As a container runtime: SIGTERM to the pod's main process group, SIGKILL after the grace,
+        # and whatever else still runs in the pod (other groups of its session) goes with it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(running.proc.pid, signal.SIGTERM)
         try:
@@ -460,12 +477,14 @@ class NodeAgent:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(running.proc.pid, signal.SIGKILL)
             running.proc.wait()
+        signal_session(running.proc.pid, signal.SIGKILL)
 
     def kill_pod_process(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> int:
-        """Send ``sig`` to a running pod's process (a test's way to make a 'GPU die'); returns its pid."""
+        """Send ``sig`` to every process of a running pod (a test's way to make a 'GPU die'); returns
+        the pid of its main process."""
         with self._lock:
             pod = next((p for p in self.pods.values() if p.namespace == namespace and p.name == name), None)
         if pod is None:
             raise KeyError(f"no running pod {namespace}/{name} on this node agent")
-        os.killpg(pod.proc.pid, sig)
+        signal_session(pod.proc.pid, sig)
         return pod.proc.pid

@@ -233,6 +233,7 @@ class JobController:
             warm=self.book.warm(self.job.uid, watched, fresh_age, mono),
             fresh=reporting,
             quiet=set(watched) - set(self.book.fresh(self.job.uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),
+            checkpoint_unusable=self.book.checkpoint_unusable(self.job.uid),
         )
         # A restarted operator has heard from nobody: the first heartbeat intervals, it waits for
         # the running pods' reports before planning around them.

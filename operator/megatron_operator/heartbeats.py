@@ -119,6 +119,11 @@ class HeartbeatBook:
         steps = [hb.report.checkpoint_step for hb in self._last.get(job_uid, {}).values()]
         return max((s for s in steps if s is not None), default=None)
 
+    def checkpoint_unusable(self, job_uid: str) -> str | None:
+        """Why a restore gave up, if an agent of the job reported one (no checkpoint passed verification)."""
+        found = [hb.report.checkpoint_unusable for hb in self._last.get(job_uid, {}).values()]
+        return next((reason for reason in found if reason), None)
+
     def epochs(self, job_uid: str) -> dict[str, int]:
         """The plan epoch each reporting pod holds."""
         return {pod: hb.report.epoch for pod, hb in self._last.get(job_uid, {}).items()}

@@ -36,6 +36,7 @@ class AgentSignals:
     # Pods whose agent has been quiet for more than two heartbeat intervals: an accusation of one
     # of them is corroborated.
     quiet: Collection[str] = ()
+    checkpoint_unusable: str | None = None  # a worker's restore gave up: no checkpoint passed verification
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +212,13 @@ def assess(
     failed = frozenset(known_failures) | {f.pod for f in failures}
     by_name = {p.name: p for p in pods}
     members = [m.pod for m in plan.members] if plan is not None else []
+
+    if signals.checkpoint_unusable is not None:
+        # Two checkpoints failed verification (worker/checkpoint.py); a new plan would restore
+        # them again and fail again: stop and say why.
+        unusable = Terminal(JobPhase.FAILED, Reason.CHECKPOINT_UNUSABLE, signals.checkpoint_unusable)
+        return _wind_down(status, pods, plan, {**known_failures, **{f.pod: f for f in failures}},
+                          terminal=unusable, failures=tuple(failures))
 
     if plan is not None and (
         signals.all_succeeded or all(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)

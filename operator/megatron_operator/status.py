@@ -40,6 +40,7 @@ class Reason:
     STATE_LOST = "StateLost"
     TRAINING = "Training"  # Ready: every member committed a step of the plan in force
     WAITING_FOR_FIRST_STEP = "WaitingForFirstStep"
+    CHECKPOINT_UNUSABLE = "CheckpointUnusable"
     INVALID_SPEC = "InvalidSpec"
     TRAINING_FINISHED = "TrainingFinished"
     NOT_FINISHED = "NotFinished"

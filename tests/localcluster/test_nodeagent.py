@@ -100,12 +100,27 @@ def test_killed_process_fails_the_pod_with_137(
     assert failed["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137
 
 
-def test_deleting_the_pod_kills_its_process(local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str) -> None:
-    pod = make_pod("doomed", "import time; time.sleep(600)")
+def test_deleting_the_pod_kills_its_process(
+    local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    # The pod's process starts a child that leads a process group of its own (as trainer workers
+    # do): deleting the pod must end it too.
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "import subprocess, time; "
+        "child = subprocess.Popen(['sleep', '600'], process_group=0); "
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid)); time.sleep(600)"
+    )
+    pod = make_pod("doomed", script)
     pod["spec"]["containers"][0]["env"] = []
     create(local_cluster, namespace, pod, "pods")
     wait_pod(local_cluster, namespace, "doomed", "Running")
     [running] = [p for p in node_agent.pods.values() if p.name == "doomed"]
+    deadline = time.monotonic() + 30
+    while not child_pid.exists() or not child_pid.read_text():
+        assert time.monotonic() < deadline, "the pod did not start its child"
+        time.sleep(0.1)
+    child = int(child_pid.read_text())
     code, _ = local_cluster.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/doomed")
     assert code == 200
     deadline = time.monotonic() + 30
@@ -113,6 +128,17 @@ def test_deleting_the_pod_kills_its_process(local_cluster: LocalCluster, node_ag
         assert time.monotonic() < deadline, "pod not removed after delete"
         time.sleep(0.1)
     assert running.proc.poll() is not None, "process survived its pod"
+    while _running(child):
+        assert time.monotonic() < deadline, f"the pod's child {child} (a group of its own) survived the pod"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def test_pod_without_command_fails_clearly(local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str) -> None:

@@ -6,7 +6,8 @@ minReplicas); a deleted member, a silent agent, an accused peer and a self-repor
 failures, once each; failed pods are deleted (without grace when their node or agent is gone);
 a consumed spare is replaced and pods on their way are not created twice; lowering spec.replicas
 resizes the mesh, deletes the surplus pods (no failure, no recovery) and their going is not a
-failure afterwards; maxRecoveries ends the job; members that succeeded end it Succeeded and
+failure afterwards; maxRecoveries ends the job; a restore that found no usable checkpoint ends it
+Failed with reason CheckpointUnusable instead of planning another restore; members that succeeded end it Succeeded and
 release the spares; phases of a running job.
 Liveness: only pods whose agents reported warm workers join a plan (a cold spare is not
 promoted: the job shrinks); a failed-peer report is acted on only when plausible and corroborated;
@@ -123,6 +124,15 @@ def test_max_recoveries_ends_the_job() -> None:
     assert a.terminal is not None and a.terminal.phase is JobPhase.FAILED
     assert a.terminal.reason == Reason.MAX_RECOVERIES and "maxRecoveries is 5" in a.terminal.message
     assert {name for name, _ in a.delete} == {"job-1", "job-2"}
+
+
+def test_an_unusable_checkpoint_ends_the_job_instead_of_another_restore() -> None:
+    status, pods = _running_job()
+    why = "no usable checkpoint at or before step 8: step 8: no manifest; step 6: corrupted"
+    a = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(checkpoint_unusable=why), {})
+    assert a.terminal is not None and a.terminal.phase is JobPhase.FAILED
+    assert (a.terminal.reason, a.terminal.message) == (Reason.CHECKPOINT_UNUSABLE, why)
+    assert a.decision is None or a.decision.outcome is not Outcome.NEW_PLAN
 
 
 def test_success_ends_the_job_and_releases_spares() -> None:

@@ -9,6 +9,8 @@ chosen by environment variables, so a test decides what goes wrong:
 - ``AGENT_FAKE_COLLECTIVE_FAIL_AT_STEP=N`` and ``AGENT_FAKE_PEER_RANK=R``: at step N report that a
   collective with rank R failed, then wait for the next plan.
 - ``AGENT_FAKE_HELLO_DELAY_SECONDS``: wait before Hello (a slow model build).
+- ``AGENT_FAKE_CHECKPOINT_UNUSABLE=1``: on a plan naming the pod, report two checkpoints rejected
+  (steps 8 and 6) and the restore given up, then fail with exit code 1 (as a real worker does).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_contract.job import MegatronJobSpec
 from megatron_trainer.channel import (
     Assign,
     Channel,
+    CheckpointProblem,
     CheckpointSaved,
     CollectiveFailed,
     Hello,
@@ -109,6 +112,15 @@ def main() -> int:
             channel.send(WorkerStatus(state="spare", epoch=plan.epoch))
             continue
         channel.send(WorkerStatus(state="reconfiguring", epoch=plan.epoch))
+        if os.environ.get("AGENT_FAKE_CHECKPOINT_UNUSABLE"):
+            for rejected in (8, 6):
+                channel.send(
+                    CheckpointProblem(epoch=plan.epoch, step=rejected, kind="rejected", detail="fake: damaged")
+                )
+            detail = "fake: no usable checkpoint at or before step 8"
+            channel.send(CheckpointProblem(epoch=plan.epoch, step=8, kind="unusable", detail=detail))
+            channel.send(WorkerStatus(state="failed", epoch=plan.epoch, detail=f"CheckpointUnusable: {detail}"))
+            return 1
         step = plan.resume_step
         channel.send(PhaseTimes(epoch=plan.epoch, phases={"rendezvous": time.monotonic() - started}))
         channel.send(WorkerStatus(state="training", epoch=plan.epoch))

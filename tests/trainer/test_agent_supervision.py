@@ -9,7 +9,9 @@ Scenarios:
 - a SIGSTOPped (hung) training worker is killed after the hang timeout (never before), the kill
   is reported and counted, and the slot gets a fresh worker;
 - when every worker finishes trainIters the agent reports succeeded and exits 0;
-- SIGTERM: the agent asks its workers to finish and exits 0.
+- SIGTERM: the agent asks its workers to finish and exits 0;
+- a worker whose restore found no usable checkpoint: the report says which checkpoint was
+  rejected last and that the restore gave up, besides the failure.
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ def test_crashed_worker_is_reported_and_the_agent_exits(operator: RecordingOpera
         wait_for(lambda: agent.process.poll() is not None, 30, "the agent to exit")
         assert agent.process.returncode == 1
         assert process_gone(pid)
+
+
+def test_a_restore_that_gave_up_is_reported(operator: RecordingOperator, tmp_path: Path) -> None:
+    spec = make_spec()
+    agent = AgentProcess(
+        "pod-a", spec, tmp_path, operator_url=operator.url, extra_env={"AGENT_FAKE_CHECKPOINT_UNUSABLE": "1"}
+    )
+    with running_agents([agent]):
+        agent.wait_ready()
+        assert agent.post_plan(make_plan(spec, [agent.pod, OTHER]))[0] == 200
+        report = operator.wait_report("pod-a", lambda r: r.checkpoint_unusable is not None, 20, "the restore reported")
+        assert report.checkpoint_unusable == "fake: no usable checkpoint at or before step 8"
+        assert report.checkpoint_rejected == "step 6: fake: damaged"
+        report = operator.wait_report("pod-a", lambda r: bool(r.failed_peers), 20, "the failure reported")
+        assert report.state is AgentState.FAILED and report.checkpoint_unusable is not None
 
 
 def test_crashed_worker_is_restarted_as_a_spare_and_trains_again(operator: RecordingOperator, tmp_path: Path) -> None:

@@ -210,7 +210,10 @@ def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
 ) -> None:
     iters, fault_step, interval = 8, 5, 2  # checkpoints after steps 2 and 4; the fault hits step 5
     spec = make_spec(spares=1, replicas=1, min_replicas=1, train_iters=iters)
-    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(path=str(tmp_path / "ckpt"), interval_steps=interval)})
+    # Synchronous saves: both checkpoints exist before the fault (an asynchronous save of step 2
+    # still being written at step 4 would skip that one; test_worker_checkpoints covers those).
+    checkpoints = CheckpointSpec(path=str(tmp_path / "ckpt"), interval_steps=interval, keep=2, async_save=False)
+    spec = spec.model_copy(update={"checkpoint": checkpoints})
 
     reference = WorkerCluster(spec.model_copy(update={"checkpoint": None}), tmp_path / "reference")
     make_cluster.append(reference)

@@ -152,6 +152,18 @@ def test_a_fresh_or_checkpoint_start_must_hold_the_plans_step(epoch: int, held: 
     check_step(plan, plan.resume_step)
 
 
+def test_a_checkpoint_restore_may_fall_back_to_an_older_step_never_a_newer_one() -> None:
+    # The plan's checkpoint failed verification and every rank restored the next older one.
+    spec = make_spec()
+    plan = make_plan(spec, 2, ["a", "b"], 1, resume_step=10)
+    plan = MeshPlan.model_validate(
+        {**plan.to_wire(), "defaultSource": "checkpoint", "defaultCheckpointStep": 10, "stateSources": []}
+    )
+    check_step(plan, 8)
+    with pytest.raises(StateMismatch, match="the plan restores step"):
+        check_step(plan, 12)
+
+
 def test_indexed_tokens_read_megatrons_indexed_dataset(tmp_path: Path) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

@@ -2,7 +2,9 @@
 
 It spawns ``python -m megatron_trainer.worker`` per local slot with its own socketpair, hosts the
 rendezvous TCPStore (as an agent does), reads every message the workers send, sees EOF when one
-dies, and builds plans with small builders. Used by the ``test_worker_*`` modules and by the GPU
+dies, and builds plans with small builders. Like the agent, it starts each worker as the leader of
+a process group of its own and ends the whole group, so a worker's children (the checkpoint
+writer, the multiprocessing manager) never outlive it. Used by the ``test_worker_*`` modules and by the GPU
 benchmark (``benchmarks/trainer_recovery.py``).
 """
 
@@ -34,6 +36,7 @@ from megatron_contract.mesh import (
     StateSource,
     StateSourceKind,
 )
+from megatron_trainer.agent.supervisor import signal_group
 from megatron_trainer.channel import (
     Assign,
     Channel,
@@ -237,6 +240,7 @@ class WorkerCluster:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=REPO,
+                    process_group=0,
                 )
             theirs.close()
             worker = WorkerProcess(pod, local_rank, process, Channel(ours), log_path)
@@ -272,10 +276,9 @@ class WorkerCluster:
         return False
 
     def kill_pod(self, pod: str, sig: int = signal.SIGKILL) -> None:
-        """What the agent/kubelet does to a failed pod: kill every worker of it."""
+        """What the agent/kubelet does to a failed pod: kill every worker of it, children included."""
         for w in self.pods[pod]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.process.pid, sig)
+            signal_group(w.process.pid, sig)
         for w in self.pods[pod]:
             w.process.wait(timeout=30)
             w.eof.wait(timeout=30)
@@ -354,10 +357,8 @@ class WorkerCluster:
         for w in self.workers():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if w.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.process.pid, signal.SIGKILL)  # also ends a SIGSTOPped worker
-                w.process.wait(timeout=10)
+            signal_group(w.process.pid, signal.SIGKILL)  # a SIGSTOPped worker too, and any child left
+            w.process.wait(timeout=10)
             with contextlib.suppress(OSError):
                 w.channel.close()
         del self.store

@@ -68,11 +68,28 @@ class Progress(WireModel):
 
 
 class CheckpointSaved(WireModel):
-    """A distributed checkpoint of ``step`` is complete (its done marker written, every rank past it)."""
+    """A distributed checkpoint of ``step`` is complete: every rank's files written, the manifest
+    written and the directory renamed into place (sent by every rank once rank 0 has done so)."""
 
     type: Literal["checkpoint"] = "checkpoint"
     epoch: int
     step: int
+    blocking_seconds: float | None = None  # training-thread time of the step that started the save
+    total_seconds: float | None = None  # from the start of the save to complete
+
+
+class CheckpointProblem(WireModel):
+    """A checkpoint that was not taken or not used: ``skipped`` (a save was due while the previous
+    one was still being written), ``failed`` (a save that could not be completed) or ``rejected``
+    (a checkpoint that failed verification on restore; the next older one is tried) or
+    ``unusable`` (the restore gave up after two rejections: the worker fails next; restoring again
+    would loop)."""
+
+    type: Literal["checkpoint_problem"] = "checkpoint_problem"
+    epoch: int
+    step: int
+    kind: Literal["skipped", "failed", "rejected", "unusable"]
+    detail: str = ""
 
 
 class PhaseTimes(WireModel):
@@ -95,7 +112,8 @@ class CollectiveFailed(WireModel):
 
 ToWorker = Annotated[Assign | Shutdown, Field(discriminator="type")]
 ToAgent = Annotated[
-    Hello | WorkerStatus | Progress | CheckpointSaved | PhaseTimes | CollectiveFailed, Field(discriminator="type")
+    Hello | WorkerStatus | Progress | CheckpointSaved | CheckpointProblem | PhaseTimes | CollectiveFailed,
+    Field(discriminator="type"),
 ]
 _TO_WORKER: TypeAdapter[ToWorker] = TypeAdapter(ToWorker)
 _TO_AGENT: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)

@@ -26,6 +26,7 @@ from megatron_trainer.agent.settings import AgentSettings
 from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor, worker_environment
 from megatron_trainer.channel import (
     Assign,
+    CheckpointProblem,
     CheckpointSaved,
     CollectiveFailed,
     Hello,
@@ -70,6 +71,8 @@ class Agent:
         # Failures of this pod's own workers or reported peers, until an acknowledged report carried them.
         self.pending_failures: list[PeerFailure] = []
         self.checkpoint_step: int | None = None  # newest complete checkpoint a local worker saved
+        self.checkpoint_rejected: str | None = None  # the last checkpoint a restore rejected, and why
+        self.checkpoint_unusable: str | None = None  # a restore that gave up (two rejections)
         # A worker that replaces a dead one must not join the epoch its predecessor broke.
         self._broken_epoch = 0
         self._restarts = 0
@@ -225,6 +228,8 @@ class Agent:
             if self.checkpoint_step is None or message.step > self.checkpoint_step:
                 self.checkpoint_step = message.step
                 log.info("checkpoint of step %d complete (epoch %d)", message.step, message.epoch)
+        elif isinstance(message, CheckpointProblem):
+            self._on_checkpoint_problem(handle, message)
         elif isinstance(message, PhaseTimes):
             self._on_phase_times(handle, message)
         elif isinstance(message, CollectiveFailed):
@@ -252,6 +257,20 @@ class Agent:
     def _reporting_rank(self) -> int:
         """The local worker whose loss and throughput speak for the pod: the lowest live one."""
         return min((h.local_rank for h in self.supervisor.workers.values() if h.alive), default=0)
+
+    def _on_checkpoint_problem(self, handle: WorkerHandle, message: CheckpointProblem) -> None:
+        log.warning(
+            "worker %d: checkpoint of step %d %s (epoch %d): %s",
+            handle.local_rank,
+            message.step,
+            message.kind,
+            message.epoch,
+            message.detail,
+        )
+        if message.kind == "rejected":
+            self.checkpoint_rejected = f"step {message.step}: {message.detail}"[:1024]
+        elif message.kind == "unusable":
+            self.checkpoint_unusable = message.detail[:1024]
 
     def _on_phase_times(self, handle: WorkerHandle, message: PhaseTimes) -> None:
         durations, instants = split_phase_times(message.phases)
@@ -404,6 +423,8 @@ class Agent:
             # The same objects as pending_failures: acknowledgement clears exactly these.
             failed_peers=list(self.pending_failures),
             checkpoint_step=self.checkpoint_step,
+            checkpoint_rejected=self.checkpoint_rejected,
+            checkpoint_unusable=self.checkpoint_unusable,
             sent_at=datetime.now(UTC),
         )
 

@@ -88,8 +88,10 @@ def silence_allowed(
     """How long a training worker may stay silent after its last message.
 
     Workers save a checkpoint right after reporting a step that is a multiple of the checkpoint
-    interval, synchronously (a 1.1 B model's took ~22 s on 4xH200); a silence
-    then is a save, not a hang, and gets the save's grace on top.
+    interval. An asynchronous save holds the step only for the device-to-host copy, but a
+    synchronous one (``asyncSave: false``) and the final save at the end of training wait for the
+    write (a 1 B model took ~22 s on 4xH200); a silence then is a save, not a hang, and gets the
+    save's grace on top.
     """
     saving = (
         checkpoint_interval_steps is not None
@@ -141,6 +143,7 @@ class WorkerSupervisor:
                 pass_fds=(fd,),
                 env=self.env,
                 stdin=asyncio.subprocess.DEVNULL,
+                process_group=0,  # the worker leads a group of its own: see the module docstring
             )
         except BaseException:
             ours.close()
@@ -180,6 +183,7 @@ class WorkerSupervisor:
                     log.exception("worker %d: handling %s failed", handle.local_rank, message.type)
         finally:
             handle.exit_code = await handle.process.wait()
+            signal_group(handle.pid, signal.SIGKILL)  # children the worker left behind
             handle.writer.close()
             log.log(
                 logging.INFO if handle.exit_code == 0 else logging.WARNING,
@@ -219,8 +223,7 @@ class WorkerSupervisor:
             return
         handle.kill_reason = reason
         log.warning("killing worker %d (pid %d): %s", handle.local_rank, handle.pid, reason)
-        with contextlib.suppress(ProcessLookupError):
-            handle.process.kill()
+        signal_group(handle.pid, signal.SIGKILL)
 
     def start_watchdog(self, on_hung: Callable[[WorkerHandle, float], None]) -> None:
         """Check for hung workers several times per hang timeout."""
@@ -250,13 +253,20 @@ class WorkerSupervisor:
                 break
             if sig is not None:
                 for handle in live:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(handle.pid, sig)
+                    signal_group(handle.pid, sig)
             pumps = [h.pump for h in live if h.pump is not None]
             await asyncio.wait(pumps, timeout=wait)
         for handle in self.workers.values():
             if handle.pump is not None and not handle.pump.done():
                 handle.pump.cancel()
+
+
+def signal_group(leader: int, sig: int) -> None:
+    """Send ``sig`` to the process group a worker leads (its pid is the group's id); nothing when
+    the group is gone. The group id cannot be reused while any member lives, so this never hits a
+    stranger."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, sig)
 
 
 def worker_environment(base: Mapping[str, str], spec_json: str, pod_name: str) -> dict[str, str]:

@@ -8,6 +8,8 @@ Stages of one reconfiguration, each in its own module, composed by :mod:`.runtim
   ``parallel_state``; spares hold a fake, communicator-free world instead;
 - :mod:`.model`: build GPT, DDP wrapper and optimizer for the current groups; hand state over;
 - :mod:`.peer_restore` / :mod:`.checkpoint`: restore state from a DP peer or a checkpoint;
+  :mod:`.checkpoint` also saves asynchronously; :mod:`.checkpoint_files` holds a checkpoint's
+  manifest, verification and retention, :mod:`.writer_processes` the writer's helper processes;
 - :mod:`.verify`: the group agrees on step and checksum before training resumes;
 - :mod:`.lifecycle`: the worker's states and the transitions allowed between them.
 

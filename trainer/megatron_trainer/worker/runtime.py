@@ -32,6 +32,7 @@ from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSourceKind
 from megatron_trainer.channel import (
     Assign,
     Channel,
+    CheckpointProblem,
     CheckpointSaved,
     CollectiveFailed,
     Hello,
@@ -114,6 +115,7 @@ class Worker:
         self._completed = 0  # steps completed, readable by the reader thread
         self._send_lock = threading.Lock()
         self._phases: dict[str, float] = {}
+        self.saver = checkpoint.CheckpointSaver(self.spec) if self.spec.checkpoint is not None else None
 
     # -- messaging ---------------------------------------------------------------------------------
 
@@ -359,7 +361,20 @@ class Worker:
                     raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
                 step = plan.source_of(self.rank).checkpoint_step
                 step = step if step is not None else plan.resume_step
-                checkpoint.load_checkpoint(ts, self.spec.checkpoint.path, step)
+                # Raises CheckpointUnusable after two checkpoints failed verification: the worker then
+                # fails (reported) instead of restoring again and again.
+                try:
+                    checkpoint.restore_checkpoint(
+                        ts,
+                        self.spec,
+                        step,
+                        on_rejected=lambda s, why: self.send(
+                            CheckpointProblem(epoch=plan.epoch, step=s, kind="rejected", detail=why[:1000])
+                        ),
+                    )
+                except checkpoint.CheckpointUnusable as err:
+                    self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="unusable", detail=str(err)[:1000]))
+                    raise
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             phases["restore"] = time.perf_counter() - t
@@ -394,7 +409,11 @@ class Worker:
             time.perf_counter() - begin,
         )
         self._move(WorkerState.TRAINING, f"rank {self.rank} of {plan.mesh_label}")
-        self._train(plan, phases)
+        try:
+            self._train(plan, phases)
+        finally:
+            if self.saver is not None:
+                self.saver.abandon()  # a save this epoch did not complete (nothing when none)
 
     def _train(self, plan: MeshPlan, phases: dict[str, float]) -> None:
         assert self.ts is not None
@@ -458,10 +477,10 @@ class Worker:
                     tokens_per_second=result.tokens / result.seconds if result.seconds > 0 else 0.0,
                 )
             )
-            ck = self.spec.checkpoint
-            if ck is not None and ts.step % ck.interval_steps == 0:
-                checkpoint.save_checkpoint(ts, ck.path)
-                self.send(CheckpointSaved(epoch=plan.epoch, step=ts.step))
+            if self.saver is not None and not self._checkpoint_after_step(plan):
+                return
+        if self.saver is not None:
+            self._report_checkpoint(plan, self.saver.finish(ts, plan.epoch, plan.sizes.model_dump()))
         self._move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
 
     def _superseded_check(self, epoch: int) -> rendezvous.Interrupted:
@@ -498,6 +517,43 @@ class Worker:
         for rank, pod in suspects[:8] or [(None, None)]:
             self.send(CollectiveFailed(epoch=plan.epoch, peer_rank=rank, peer_pod=pod, reason=str(err)[:1000]))
         self._move(WorkerState.WAITING, str(err)[:200], epoch=plan.epoch)
+
+    def _checkpoint_after_step(self, plan: MeshPlan) -> bool:
+        """Start or complete a checkpoint after a step (collective; watched like a step); False
+        when a collective failed (the failure is then handled like a failed step)."""
+        assert self.saver is not None and self.ts is not None
+        self._out_of_step.clear()
+        self._step_started = time.monotonic()
+        try:
+            outcome = self.saver.after_step(self.ts, plan.epoch, plan.sizes.model_dump())
+        except RuntimeError as err:
+            if not (self._aborted.is_set() or is_collective_error(err)):
+                raise
+            self.saver.abandon()
+            self._on_step_failure(plan, f"checkpoint: {type(err).__name__}: {err}")
+            return False
+        finally:
+            self._step_started = None
+            self._out_of_step.set()
+        self._report_checkpoint(plan, outcome)
+        return True
+
+    def _report_checkpoint(self, plan: MeshPlan, outcome: checkpoint.SaveOutcome) -> None:
+        assert self.saver is not None
+        for done in outcome.completed:
+            self.send(
+                CheckpointSaved(
+                    epoch=plan.epoch,
+                    step=done.step,
+                    blocking_seconds=done.blocking_seconds,
+                    total_seconds=done.total_seconds,
+                )
+            )
+        if outcome.skipped is not None:
+            detail = f"the save of step {self.saver.in_flight} was still being written"
+            self.send(CheckpointProblem(epoch=plan.epoch, step=outcome.skipped, kind="skipped", detail=detail))
+        for step, why in outcome.failed:
+            self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="failed", detail=why[:1000]))
 
     def _on_step_failure(self, plan: MeshPlan, failure: str) -> None:
         """The step failed or was aborted: discard it, free the groups, and report when it was

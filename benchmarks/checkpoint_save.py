@@ -1,0 +1,105 @@
+"""Checkpoint save benchmark: what a save costs the training step, synchronous vs asynchronous.
+
+``--gpus`` pods of one GPU each train a Megatron-Core GPT (TP=1, DP=gpus) with a checkpoint every
+``--interval`` steps, once with ``asyncSave: false`` (the step waits for the write) and once with
+``asyncSave: true`` (the step waits for the device-to-host copy; the write runs in a forked
+writer). The script plays agent and operator, as the tests do (``tests/trainer/worker_harness.py``).
+For each mode it prints the median step time (the steps' own compute; writes in the background
+show there as contention), the training-thread time a save took from the step that started it
+(``blocking``: with synchronous saves, the whole write), and start-to-complete time of each save (``total``,
+reported in ``CheckpointSaved``); writes JSON with ``--out``.
+
+    python benchmarks/checkpoint_save.py --gpus 4 --iters 30 --interval 10 --out result.json
+
+Model default as ``trainer_recovery.py`` (~1.1 B parameters, bf16, Adam). Checkpoints go to
+``--dir`` (default: a temporary directory; give it the storage to measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [
+    str(REPO / "contract"),
+    str(REPO / "trainer"),
+    str(REPO / "tests" / "trainer"),
+    str(REPO / "benchmarks"),
+]
+
+from trainer_recovery import add_job_args, job_spec  # noqa: E402
+from worker_harness import WorkerCluster  # noqa: E402
+
+from megatron_contract.job import CheckpointSpec  # noqa: E402
+from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, Progress  # noqa: E402
+
+
+def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, object]:
+    """Train once with checkpoints in the given mode; returns the figures of rank 0's worker."""
+    spec = job_spec(args, dp=args.gpus, train_iters=args.iters)
+    checkpoints = CheckpointSpec(path=str(root), interval_steps=args.interval, keep=2, async_save=asynchronous)
+    spec = spec.model_copy(update={"checkpoint": checkpoints, "spares": 0})
+    with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as work:
+        cluster = WorkerCluster(spec, Path(work))
+        try:
+            pods = [f"p{i}" for i in range(args.gpus)]
+            for i, pod in enumerate(pods):
+                cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(i)})
+            cluster.wait_ready(pods, timeout=600)
+            cluster.assign(cluster.plan(pods))
+            cluster.wait_succeeded(pods, timeout=3600)
+            first = cluster.pods[pods[0]][0]
+            saves = first.of_type(CheckpointSaved)
+            steps = {p.step: p.step_time_seconds for p in first.of_type(Progress)}
+            skipped = [m.step for m in first.of_type(CheckpointProblem) if m.kind == "skipped"]
+        except BaseException:
+            print(cluster.logs())
+            raise
+        finally:
+            cluster.close()
+    # A step's own time (Progress) excludes the save bookkeeping after it; a background write shows
+    # in it only as contention.
+    plain = [t for s, t in steps.items() if s > 1]
+    result = {
+        "mode": "async" if asynchronous else "sync",
+        "step_seconds_median": statistics.median(plain) if plain else None,
+        "saves": [
+            {"step": m.step, "blocking_seconds": m.blocking_seconds, "total_seconds": m.total_seconds} for m in saves
+        ],
+        "skipped": skipped,
+    }
+    blocking = [m.blocking_seconds for m in saves if m.blocking_seconds is not None]
+    total = [m.total_seconds for m in saves if m.total_seconds is not None]
+    print(
+        f"{result['mode']}: step p50 {result['step_seconds_median']}s; save blocking p50"
+        f" {statistics.median(blocking) if blocking else None}s, start-to-complete p50"
+        f" {statistics.median(total) if total else None}s; {len(saves)} saves, skipped {skipped}",
+        flush=True,
+    )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_args(parser)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: a temporary one)")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as tmp:
+        base = args.dir or Path(tmp)
+        for asynchronous in (False, True):
+            results.append(run(args, asynchronous, base / ("async" if asynchronous else "sync")))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
