@@ -10,11 +10,12 @@ from typing import Any
 import yaml
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
+LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
 
 
-def example_job(name: str = "gpt-demo") -> dict[str, Any]:
-    """The committed example, renamed."""
-    job: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+def example_job(name: str = "gpt-demo", path: Path = EXAMPLE) -> dict[str, Any]:
+    """A committed example (the small GPT unless ``path`` names another), renamed."""
+    job: dict[str, Any] = yaml.safe_load(path.read_text())
     job["metadata"] = {"name": name}
     return job
 
@@ -121,6 +122,16 @@ BAD_JOBS: tuple[BadJob, ...] = (
         "sequence-parallel-without-tp",
         {"tp": 1, "model.sequenceParallel": True},
         "spec.model.sequenceParallel needs spec.tp > 1",
+    ),
+    BadJob(
+        "more-routed-experts-than-experts",
+        {"model.numExperts": 2, "model.moeRouterTopk": 4, "model.addBiasLinear": False},
+        "spec.model.numExperts needs moeRouterTopk <= numExperts",
+    ),
+    BadJob(
+        "experts-with-biases",  # the example's model keeps the default addBiasLinear: true
+        {"model.numExperts": 4},
+        "spec.model.numExperts needs moeRouterTopk <= numExperts and addBiasLinear false",
     ),
     BadJob("adam-beta-of-one", {"training.optimizer.adamBeta2": 1.0}, "spec.training.optimizer.adamBeta2"),
     BadJob("negative-weight-decay", {"training.optimizer.weightDecay": -0.1}, "spec.training.optimizer.weightDecay"),

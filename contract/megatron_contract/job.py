@@ -93,6 +93,13 @@ class ModelSpec(WireModel):
     sequence_parallel: bool = Field(
         default=False, description="Megatron's sequence parallelism (splits norms and dropout over tp); needs tp > 1."
     )
+    num_experts: int | None = Field(
+        default=None, ge=2, le=4096, description="Mixture of experts: experts per MoE layer; a dense MLP when unset."
+    )
+    moe_router_topk: int = Field(default=2, ge=1, le=64, description="Experts each token is routed to.")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, ge=1, le=1048576, description="Hidden size of one expert; ffnHiddenSize when unset."
+    )
 
     model_config = ConfigDict(json_schema_extra=lambda schema: _drop_property_defaults(schema))
 
@@ -137,6 +144,10 @@ def model_field_cel(name: str) -> str:
         default = model_field_cel("numAttentionHeads")
     elif name == "ffnHiddenSize":
         default = f"4 * {model_field_cel('hiddenSize')}"
+    elif name == "maxPositionEmbeddings":
+        default = model_field_cel("seqLength")
+    elif default is None:
+        raise ValueError(f"spec.model.{name} has no default that CEL can express")
     default_cel = _cel_literal(default) if isinstance(default, bool) else str(default)
     table = ", ".join(f"'{p.value}': {_cel_literal(v[name])}" for p, v in PRESETS.items())
     return (
@@ -365,10 +376,20 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda s: s.model.num_layers % s.pp == 0,
     ),
     SpecRule(
-        f"(has(self.model.maxPositionEmbeddings) ? self.model.maxPositionEmbeddings : "
-        f"(has(self.model.preset) ? {_m('maxPositionEmbeddings')} : {_m('seqLength')})) >= {_m('seqLength')}",
+        f"{_m('maxPositionEmbeddings')} >= {_m('seqLength')}",
         "spec.model.maxPositionEmbeddings must be at least spec.model.seqLength",
         lambda s: s.model.max_positions >= s.model.seq_length,
+    ),
+    SpecRule(
+        "!has(self.model.numExperts) || "
+        f"((has(self.model.moeRouterTopk) ? self.model.moeRouterTopk : 2) <= self.model.numExperts && "
+        f"!{_m('addBiasLinear')})",
+        "spec.model.numExperts needs moeRouterTopk <= numExperts and addBiasLinear false "
+        "(megatron-core's local experts fail on biases without Transformer Engine)",
+        lambda s: (
+            s.model.num_experts is None
+            or (s.model.moe_router_topk <= s.model.num_experts and not s.model.add_bias_linear)
+        ),
     ),
     SpecRule(
         "!has(self.model.sequenceParallel) || !self.model.sequenceParallel || self.tp > 1",
