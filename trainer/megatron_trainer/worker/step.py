@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_contract.mesh import BatchGeometry
 from megatron_trainer.worker.data import TokenSource, micro_batches
-from megatron_trainer.worker.model import TrainState
+from megatron_trainer.worker.model import TrainState, seed_dropout
 from megatron_trainer.worker.rendezvous import replica_group
 
 
@@ -107,6 +107,7 @@ def train_step(
         if aborted():  # each micro-batch is a point where an aborted step can stop early
             raise StepAborted("epoch aborted during the forward passes")
         mb = next(data_iterator)
+        seed_dropout(ts.spec, mb.indices[0])
         output = model(mb.tokens, positions, None, labels=mb.labels)
         if not fired:
             fired = True
@@ -141,6 +142,7 @@ def train_step(
     if not ok:
         raise RuntimeError(f"optimizer skipped step {ts.step} (non-finite gradients)")
     ts.step += 1
+    ts.scheduler.step(1)
     samples = tuple(i for mb in mbs for i in mb.indices)
     return StepResult(
         loss=loss, samples=samples, seconds=time.perf_counter() - start, tokens=batch.global_batch_size * seq
