@@ -133,6 +133,7 @@ BAD_JOBS: tuple[BadJob, ...] = (
         {"model.numExperts": 4},
         "spec.model.numExperts needs moeRouterTopk <= numExperts and addBiasLinear false",
     ),
+    BadJob("provider-not-an-import-reference", {"model.modelProvider": "my model"}, "spec.model.modelProvider"),
     BadJob("adam-beta-of-one", {"training.optimizer.adamBeta2": 1.0}, "spec.training.optimizer.adamBeta2"),
     BadJob("negative-weight-decay", {"training.optimizer.weightDecay": -0.1}, "spec.training.optimizer.weightDecay"),
     BadJob(

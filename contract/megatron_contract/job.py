@@ -46,13 +46,18 @@ class PositionEmbedding(enum.StrEnum):
     ROPE = "rope"
 
 
+_IMPORT_REFERENCE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
 class ModelSpec(WireModel):
     """The decoder-only model Megatron-Core builds (names follow ``TransformerConfig``).
 
     ``preset`` names a known architecture (:mod:`megatron_contract.presets`); fields given next to
-    it override it. Without a preset, unset fields take small defaults so a CPU demo runs in
-    seconds. The generated CRD carries no defaults for these fields (they would override the
-    preset); its rules resolve preset and defaults themselves (:func:`model_field_cel`).
+    it override it. ``modelProvider``/``forwardStep`` bring a model of one's own (any Megatron-Core
+    module, in Megatron-LM's plug-in shape); the fields here still give its TransformerConfig.
+    Without a preset, unset fields take small defaults so a CPU demo runs in seconds. The generated
+    CRD carries no defaults for these fields (they would override the preset); its rules resolve
+    preset and defaults themselves (:func:`model_field_cel`).
     """
 
     preset: ModelPreset | None = Field(default=None, description="A known architecture; given fields override it.")
@@ -92,6 +97,19 @@ class ModelSpec(WireModel):
     attention_dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout of attention probabilities.")
     sequence_parallel: bool = Field(
         default=False, description="Megatron's sequence parallelism (splits norms and dropout over tp); needs tp > 1."
+    )
+    model_provider: str | None = Field(
+        default=None,
+        pattern=_IMPORT_REFERENCE,
+        description="package.module:function in the trainer image, Megatron-LM's "
+        "model_provider(pre_process, post_process, *, config, spec) returning a Megatron-Core module; "
+        "the GPT of these fields when unset.",
+    )
+    forward_step: str | None = Field(
+        default=None,
+        pattern=_IMPORT_REFERENCE,
+        description="package.module:function in the trainer image, Megatron-LM's forward_step(data_iterator, model) "
+        "returning the output and a loss function; the GPT's when unset.",
     )
     num_experts: int | None = Field(
         default=None, ge=2, le=4096, description="Mixture of experts: experts per MoE layer; a dense MLP when unset."

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megatron_contract.job import Activation, MegatronJobSpec, PositionEmbedding, Precision
+from megatron_trainer.worker import providers
 
 # Optimizer state entries of Adam, in the canonical order used by transfer and checksums.
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -31,6 +32,7 @@ class TrainState:
     config: Any  # megatron.core.transformer.TransformerConfig
     scheduler: Any  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
     spec: MegatronJobSpec
+    forward_step: Any  # the job's forward_step(data_iterator, model), see worker/providers.py
     step: int = 0  # steps completed by this state
     build_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per build stage
 
@@ -213,11 +215,9 @@ def build_train_state(
     model_parallel_cuda_manual_seed(spec.training.seed, force_reset_rng=True)
     config = transformer_config(spec, device, initialize)
     marks = [("start", time.perf_counter())]
-    gpt = build_gpt(
-        spec,
-        config,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+    # The job's model provider: the GPT of spec.model unless the job brings its own.
+    gpt = providers.model_provider(spec)(
+        parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage(), config=config, spec=spec
     )
     if device.type == "cuda":
         gpt.cuda(device)
@@ -262,7 +262,13 @@ def build_train_state(
     marks.append(("optimizer_state", _synced(device)))
     times = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
     return TrainState(
-        model=model, optimizer=optimizer, config=config, scheduler=scheduler, spec=spec, build_seconds=times
+        model=model,
+        optimizer=optimizer,
+        config=config,
+        scheduler=scheduler,
+        spec=spec,
+        forward_step=providers.forward_step(spec),
+        build_seconds=times,
     )
 
 

@@ -108,16 +108,16 @@ def train_step(
             raise StepAborted("epoch aborted during the forward passes")
         mb = next(data_iterator)
         seed_dropout(ts.spec, mb.indices[0])
-        output = model(mb.tokens, positions, None, labels=mb.labels)
+        batch = {
+            "tokens": mb.tokens,
+            "labels": mb.labels,
+            "position_ids": positions,
+            "loss_mask": torch.ones_like(mb.labels, dtype=torch.float),
+        }
+        output, loss_func = ts.forward_step(iter([batch]), model)  # the job's (worker/providers.py)
         if not fired:
             fired = True
             mid_step_hook()
-
-        def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-            loss_sum = per_token.float().sum()
-            tokens = torch.tensor(per_token.numel(), dtype=torch.int, device=per_token.device)
-            return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach().double(), tokens.double()])}
-
         return output, loss_func
 
     ts.model.zero_grad_buffer()
