@@ -12,6 +12,8 @@ on the freed GPU and repeats. Prints one line per fault and p50/p95 at the end, 
 
 Model default: 20 layers, hidden 2048, 16 heads, seq 2048, vocab 50304 (~1.1 B parameters),
 bf16 with fp32 main params and Adam (Megatron's optimizer), global batch 6, micro-batch 1.
+``--preset llama3-1b`` (any ``spec.model.preset``) trains that architecture instead; size flags
+given with it override the preset (e.g. ``--preset llama3-8b --layers 8``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ sys.path[:0] = [str(REPO / "contract"), str(REPO / "trainer"), str(REPO / "tests
 
 from worker_harness import WorkerCluster, make_spec, wait_for  # noqa: E402
 
-from megatron_contract.job import MegatronJobSpec, Precision  # noqa: E402
+from megatron_contract.job import Activation, MegatronJobSpec, PositionEmbedding, Precision  # noqa: E402
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind  # noqa: E402
+from megatron_contract.presets import ModelPreset  # noqa: E402
 from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
 from megatron_trainer.faults import Fault, inject_into  # noqa: E402
 
@@ -46,20 +49,41 @@ def percentile(values: list[float], q: float) -> float:
 def add_job_args(parser: argparse.ArgumentParser) -> None:
     """GPUs, model size, batch and seed (shared with ``trainer_loss_parity.py``)."""
     parser.add_argument("--gpus", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=20)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument(
+        "--preset",
+        choices=[p.value for p in ModelPreset],
+        default=None,
+        help="a spec.model.preset; --layers/--hidden/--heads/--seq/--vocab given with it override it",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="default 20 (or the preset's)")
+    parser.add_argument("--hidden", type=int, default=None, help="default 2048 (or the preset's)")
+    parser.add_argument("--heads", type=int, default=None, help="default 16 (or the preset's)")
+    parser.add_argument("--seq", type=int, default=None, help="default 2048 (or the preset's)")
+    parser.add_argument("--vocab", type=int, default=None, help="default 50304 (or the preset's)")
     parser.add_argument("--global-batch", type=int, default=6)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
+
+
+_DEFAULT_SHAPE = {"layers": 20, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 50304}
+_MODEL_FIELDS = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "seq": "seq_length",
+    "vocab": "vocab_size",
+}
 
 
 def job_spec(
     args: argparse.Namespace, dp: int, train_iters: int, collective_timeout: float = 60.0
 ) -> MegatronJobSpec:
     """The benchmark's job: TP=1, one GPU per pod, ``dp`` replicas and one spare, bf16; prints its size."""
+    given = {k: getattr(args, k) for k in _MODEL_FIELDS if getattr(args, k) is not None}
+    shape = given if args.preset else {**_DEFAULT_SHAPE, **given}
+    model = {_MODEL_FIELDS[k]: v for k, v in shape.items()}
+    if args.preset:
+        model["preset"] = args.preset
     spec = make_spec(
         replicas=dp,
         spares=1,
@@ -68,16 +92,18 @@ def job_spec(
         train_iters=train_iters,
         global_batch_size=args.global_batch,
         collective_timeout=collective_timeout,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=args.seq,
-        vocab_size=args.vocab,
+        **model,
     )
     spec = spec.model_copy(update={"training": spec.training.model_copy(update={"precision": Precision.BF16})})
-    h, L, V, S = args.hidden, args.layers, args.vocab, args.seq
-    params = L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
-    print(f"model: {L} layers, hidden {h}, ~{params / 1e9:.2f} B parameters; DP={dp} + 1 spare", flush=True)
+    m = spec.model
+    h, L, V, S, f = m.hidden_size, m.num_layers, m.vocab_size, m.max_positions, m.ffn_size
+    kv = m.query_groups * (m.kv_channels or h // m.num_attention_heads)
+    mlp = (3 if m.activation is Activation.SWIGLU else 2) * h * f
+    params = L * (2 * h * h + 2 * h * kv + mlp) + V * h * (2 if m.untie_embeddings_and_output_weights else 1)
+    if m.position_embedding is PositionEmbedding.LEARNED:
+        params += S * h
+    name = f"preset {args.preset}, " if args.preset else ""
+    print(f"model: {name}{L} layers, hidden {h}, ~{params / 1e9:.2f} B parameters; DP={dp} + 1 spare", flush=True)
     return spec
 
 

@@ -10,11 +10,12 @@ from typing import Any
 import yaml
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
+LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
 
 
-def example_job(name: str = "gpt-demo") -> dict[str, Any]:
-    """The committed example, renamed."""
-    job: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+def example_job(name: str = "gpt-demo", path: Path = EXAMPLE) -> dict[str, Any]:
+    """A committed example (the small GPT unless ``path`` names another), renamed."""
+    job: dict[str, Any] = yaml.safe_load(path.read_text())
     job["metadata"] = {"name": name}
     return job
 
@@ -109,6 +110,77 @@ BAD_JOBS: tuple[BadJob, ...] = (
         {"resources": {"limits": {"nvidia.com/gpu": "1"}}},
         "spec.resources.limits[nvidia.com/gpu] must equal spec.gpusPerPod",
     ),
+    BadJob("unknown-preset", {"model.preset": "gpt-5"}, "spec.model.preset"),
+    BadJob("unknown-activation", {"model.activation": "relu"}, "spec.model.activation"),
+    BadJob("unknown-normalization", {"model.normalization": "BatchNorm"}, "spec.model.normalization"),
+    BadJob("zero-rotary-percent", {"model.rotaryPercent": 0}, "spec.model.rotaryPercent"),
+    BadJob("dropout-of-one", {"model.hiddenDropout": 1.0}, "spec.model.hiddenDropout"),
+    BadJob(
+        "heads-not-divisible-by-query-groups",
+        {"model.numQueryGroups": 3},
+        "spec.model.numAttentionHeads must be a multiple of spec.model.numQueryGroups",
+    ),
+    BadJob(
+        "query-groups-not-divisible-by-tp",
+        {"model.numQueryGroups": 1},
+        "spec.model.numQueryGroups must be a multiple of spec.tp",
+    ),
+    BadJob(
+        "preset-query-groups-do-not-divide-given-heads",  # the rule reads qwen2.5-7b's 4 groups from the preset
+        {"model.preset": "qwen2.5-7b", "model.numAttentionHeads": 6, "model.hiddenSize": 132},
+        "spec.model.numAttentionHeads must be a multiple of spec.model.numQueryGroups",
+    ),
+    BadJob(
+        "preset-heads-not-divisible-by-tp",  # qwen2.5-7b's 28 heads over tp 8
+        {"model": {"preset": "qwen2.5-7b"}, "tp": 8, "gpusPerPod": 8, "replicas": 1, "minReplicas": 1},
+        "spec.model.numAttentionHeads must be a multiple of spec.tp",
+    ),
+    BadJob("ffn-not-divisible-by-tp", {"model.ffnHiddenSize": 513}, "spec.model.ffnHiddenSize must be a multiple"),
+    BadJob("vocab-not-divisible-by-tp", {"model.vocabSize": 1025}, "spec.model.vocabSize must be a multiple"),
+    BadJob(
+        "positions-shorter-than-sequence",
+        {"model.maxPositionEmbeddings": 64},
+        "spec.model.maxPositionEmbeddings must be at least spec.model.seqLength",
+    ),
+    BadJob(
+        "sequence-parallel-without-tp",
+        {"tp": 1, "model.sequenceParallel": True},
+        "spec.model.sequenceParallel needs spec.tp > 1",
+    ),
+    BadJob(
+        "more-routed-experts-than-experts",
+        {"model.numExperts": 2, "model.moeRouterTopk": 4, "model.addBiasLinear": False},
+        "spec.model.numExperts needs moeRouterTopk <= numExperts",
+    ),
+    BadJob(
+        "experts-with-biases",  # the example's model keeps the default addBiasLinear: true
+        {"model.numExperts": 4},
+        "spec.model.numExperts needs moeRouterTopk <= numExperts and addBiasLinear false",
+    ),
+    BadJob("provider-not-an-import-reference", {"model.modelProvider": "my model"}, "spec.model.modelProvider"),
+    BadJob("adam-beta-of-one", {"training.optimizer.adamBeta2": 1.0}, "spec.training.optimizer.adamBeta2"),
+    BadJob("negative-weight-decay", {"training.optimizer.weightDecay": -0.1}, "spec.training.optimizer.weightDecay"),
+    BadJob(
+        "distributed-optimizer-without-checkpoint",
+        {"training.optimizer.distributed": True, "checkpoint": DELETE},
+        "spec.training.optimizer.distributed needs spec.checkpoint",
+    ),
+    BadJob(
+        "warmup-as-long-as-training",
+        {"training.lrSchedule.warmupSteps": 200},
+        "spec.training.lrSchedule.warmupSteps must be less than decaySteps",
+    ),
+    BadJob(
+        "unknown-decay-style",
+        {"training.lrSchedule.decayStyle": "exponential"},
+        "spec.training.lrSchedule.decayStyle",
+    ),
+    BadJob(
+        "wsd-without-anneal-steps",
+        {"training.lrSchedule.decayStyle": "WSD"},
+        "spec.training.lrSchedule.wsdDecaySteps is required with decayStyle WSD",
+    ),
+    BadJob("min-lr-above-lr", {"training.lrSchedule.minLr": 0.01}, "spec.training.lrSchedule.minLr must not exceed"),
     BadJob(
         "pod-splits-replicas-unevenly",
         {"gpusPerPod": 8, "replicas": 6, "minReplicas": 2},

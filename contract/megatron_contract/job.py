@@ -15,31 +15,216 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel, to_snake
 
 from megatron_contract.base import WireModel
 from megatron_contract.mesh import MeshPlan
+from megatron_contract.presets import PRESETS, ModelPreset
 
 
 def _immutable(name: str) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": f"spec.{name} is immutable"}]}
 
 
-class ModelSpec(WireModel):
-    """The GPT model Megatron-Core builds. Small defaults so a CPU demo runs in seconds."""
+class Activation(enum.StrEnum):
+    """MLP activation: GeLU, or SwiGLU (SiLU with a gated linear unit, as Llama and Qwen)."""
 
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class Normalization(enum.StrEnum):
+    """Normalization layers, as Megatron-Core names them."""
+
+    LAYER_NORM = "LayerNorm"
+    RMS_NORM = "RMSNorm"
+
+
+class PositionEmbedding(enum.StrEnum):
+    """Position embedding: learned absolute, or rotary (RoPE)."""
+
+    LEARNED = "learned"
+    ROPE = "rope"
+
+
+_IMPORT_REFERENCE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class ModelSpec(WireModel):
+    """The decoder-only model Megatron-Core builds (names follow ``TransformerConfig``).
+
+    ``preset`` names a known architecture (:mod:`megatron_contract.presets`); fields given next to
+    it override it. ``modelProvider``/``forwardStep`` bring a model of one's own (any Megatron-Core
+    module, in Megatron-LM's plug-in shape); the fields here still give its TransformerConfig.
+    Without a preset, unset fields take small defaults so a CPU demo runs in seconds. The generated
+    CRD carries no defaults for these fields (they would override the preset); its rules resolve
+    preset and defaults themselves (:func:`model_field_cel`).
+    """
+
+    preset: ModelPreset | None = Field(default=None, description="A known architecture; given fields override it.")
     num_layers: int = Field(default=2, ge=1, le=1024, description="Transformer layers.")
     hidden_size: int = Field(default=64, ge=8, le=65536, description="Hidden size.")
     num_attention_heads: int = Field(default=4, ge=1, le=1024, description="Attention heads.")
-    ffn_hidden_size: int | None = Field(default=None, ge=1, description="MLP size; 4*hiddenSize when unset.")
+    num_query_groups: int | None = Field(
+        default=None, ge=1, le=1024, description="Key/value heads (GQA; 1 is MQA); numAttentionHeads when unset."
+    )
+    kv_channels: int | None = Field(
+        default=None, ge=1, le=65536, description="Size of one attention head; hiddenSize/numAttentionHeads when unset."
+    )
+    ffn_hidden_size: int | None = Field(
+        default=None, ge=1, le=1048576, description="MLP size; 4*hiddenSize when unset."
+    )
     seq_length: int = Field(default=64, ge=8, le=1048576, description="Tokens per sample.")
-    vocab_size: int = Field(default=1024, ge=16, le=1048576, description="Vocabulary size.")
+    max_position_embeddings: int | None = Field(
+        default=None, ge=8, le=4194304, description="Longest sequence the positions cover; seqLength when unset."
+    )
+    vocab_size: int = Field(default=1024, ge=16, le=1048576, description="Vocabulary size (already padded).")
+    activation: Activation = Field(default=Activation.GELU, description="MLP activation: gelu or swiglu.")
+    normalization: Normalization = Field(default=Normalization.LAYER_NORM, description="LayerNorm or RMSNorm.")
+    layernorm_epsilon: float = Field(default=1e-5, gt=0, le=1, description="Epsilon of the normalization layers.")
+    position_embedding: PositionEmbedding = Field(
+        default=PositionEmbedding.LEARNED, description="learned (absolute) or rope."
+    )
+    rotary_base: int = Field(default=10000, ge=1, description="RoPE base (theta).")
+    rotary_percent: float = Field(default=1.0, gt=0, le=1, description="Fraction of each head's dimensions rotated.")
+    untie_embeddings_and_output_weights: bool = Field(
+        default=False, description="Separate output layer instead of the input embedding's transpose."
+    )
+    add_bias_linear: bool = Field(default=True, description="Biases in the linear layers.")
+    add_qkv_bias: bool = Field(default=False, description="Biases in the query/key/value projection only (Qwen).")
+    qk_layernorm: bool = Field(default=False, description="Normalize queries and keys.")
+    init_method_std: float = Field(default=0.02, gt=0, le=10, description="Std of the normal weight initialization.")
+    hidden_dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout after attention and MLP.")
+    attention_dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout of attention probabilities.")
+    sequence_parallel: bool = Field(
+        default=False, description="Megatron's sequence parallelism (splits norms and dropout over tp); needs tp > 1."
+    )
+    model_provider: str | None = Field(
+        default=None,
+        pattern=_IMPORT_REFERENCE,
+        description="package.module:function in the trainer image, Megatron-LM's "
+        "model_provider(pre_process, post_process, *, config, spec) returning a Megatron-Core module; "
+        "the GPT of these fields when unset.",
+    )
+    forward_step: str | None = Field(
+        default=None,
+        pattern=_IMPORT_REFERENCE,
+        description="package.module:function in the trainer image, Megatron-LM's forward_step(data_iterator, model) "
+        "returning the output and a loss function; the GPT's when unset.",
+    )
+    num_experts: int | None = Field(
+        default=None, ge=2, le=4096, description="Mixture of experts: experts per MoE layer; a dense MLP when unset."
+    )
+    moe_router_topk: int = Field(default=2, ge=1, le=64, description="Experts each token is routed to.")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, ge=1, le=1048576, description="Hidden size of one expert; ffnHiddenSize when unset."
+    )
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: _drop_property_defaults(schema))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        try:
+            preset = ModelPreset(data["preset"])
+        except ValueError:
+            return data  # the field's own validation names the bad value
+        given = {to_camel(k): v for k, v in data.items()}
+        return {**PRESETS[preset], **given}
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads in effect."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP hidden size in effect."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        """Positions in effect."""
+        return self.max_position_embeddings or self.seq_length
+
+
+def _drop_property_defaults(schema: dict[str, Any]) -> None:
+    for prop in schema.get("properties", {}).values():
+        prop.pop("default", None)
+
+
+def model_field_cel(name: str) -> str:
+    """CEL for the value of ``spec.model.<name>`` in effect: the field, else the preset's, else the default."""
+    field = ModelSpec.model_fields[to_snake(name)]
+    default: Any = field.default
+    if name == "numQueryGroups":
+        default = model_field_cel("numAttentionHeads")
+    elif name == "ffnHiddenSize":
+        default = f"4 * {model_field_cel('hiddenSize')}"
+    elif name == "maxPositionEmbeddings":
+        default = model_field_cel("seqLength")
+    elif default is None:
+        raise ValueError(f"spec.model.{name} has no default that CEL can express")
+    default_cel = _cel_literal(default) if isinstance(default, bool) else str(default)
+    table = ", ".join(f"'{p.value}': {_cel_literal(v[name])}" for p, v in PRESETS.items())
+    return (
+        f"(has(self.model.{name}) ? self.model.{name} : "
+        f"(has(self.model.preset) ? {{{table}}}[self.model.preset] : {default_cel}))"
+    )
+
+
+def _cel_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if not isinstance(value, str) else f"'{value}'"
 
 
 class Precision(enum.StrEnum):
-    """Parameter and compute precision on GPU; CPU runs always use fp32."""
+    """Parameter and compute precision on GPU; CPU runs always use fp32. fp8 needs Transformer Engine."""
 
     FP32 = "fp32"
     BF16 = "bf16"
+    FP8 = "fp8"
+
+
+class OptimizerSpec(WireModel):
+    """Megatron's Adam (``OptimizerConfig``)."""
+
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(default=1e-8, gt=0, le=1, description="Adam epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0, le=10, description="Decoupled weight decay (AdamW).")
+    clip_grad: float = Field(default=1.0, ge=0, description="Gradient clipping by global norm; 0 turns it off.")
+    distributed: bool = Field(
+        default=False,
+        description="Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over data-parallel ranks); "
+        "its state recovers through the distributed checkpoint, so it needs spec.checkpoint.",
+    )
+
+
+class LrDecayStyle(enum.StrEnum):
+    """Decay styles of Megatron's ``OptimizerParamScheduler``."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+    WSD = "WSD"
+
+
+class LrScheduleSpec(WireModel):
+    """Learning-rate schedule, run by megatron-core's ``OptimizerParamScheduler`` once per step."""
+
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0 to training.lr over these steps.")
+    decay_style: LrDecayStyle = Field(default=LrDecayStyle.CONSTANT, description="constant, linear, cosine or WSD.")
+    min_lr: float = Field(default=0.0, ge=0, description="Learning rate at the end of the decay.")
+    decay_steps: int | None = Field(
+        default=None, ge=1, description="Steps of warmup plus decay; trainIters when unset."
+    )
+    wsd_decay_steps: int | None = Field(
+        default=None, ge=1, description="For WSD: the final steps of annealing (linear); required with WSD."
+    )
 
 
 class TrainingSpec(WireModel):
@@ -48,12 +233,21 @@ class TrainingSpec(WireModel):
     global_batch_size: int = Field(default=16, ge=1, description="Samples per step; fixed across shrink and grow.")
     micro_batch_size: int = Field(default=1, ge=1, description="Samples per micro-batch.")
     train_iters: int = Field(default=100, ge=1, description="Steps to train; the job succeeds after the last.")
-    lr: float = Field(default=1e-4, gt=0, le=10, description="Adam learning rate.")
-    seed: int = Field(default=1234, ge=0, description="Seed of initialization and data order.")
+    lr: float = Field(default=1e-4, gt=0, le=10, description="Peak Adam learning rate.")
+    seed: int = Field(default=1234, ge=0, description="Seed of initialization, dropout and data order.")
     data_path: str | None = Field(
         default=None, description="Prefix of a Megatron indexed dataset; deterministic mock tokens when unset."
     )
-    precision: Precision = Field(default=Precision.BF16, description="Precision on GPU (CPU always uses fp32).")
+    precision: Precision = Field(
+        default=Precision.BF16, description="Precision on GPU (CPU always uses fp32); fp8 needs Transformer Engine."
+    )
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Adam, weight decay, clipping.")
+    lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec, description="Warmup and decay.")
+
+    @property
+    def decay_steps(self) -> int:
+        """Steps of warmup plus decay in effect."""
+        return self.lr_schedule.decay_steps or self.train_iters
 
 
 class CheckpointSpec(WireModel):
@@ -146,6 +340,9 @@ class SpecRule:
     check: Callable[[MegatronJobSpec], bool]
 
 
+_m = model_field_cel
+
+
 def _model_parallel(s: MegatronJobSpec) -> int:
     return s.tp * s.pp * s.cp
 
@@ -191,19 +388,90 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         ),
     ),
     SpecRule(
-        "self.model.numAttentionHeads % self.tp == 0",
+        f"{_m('numAttentionHeads')} % self.tp == 0",
         "spec.model.numAttentionHeads must be a multiple of spec.tp",
         lambda s: s.model.num_attention_heads % s.tp == 0,
     ),
     SpecRule(
-        "self.model.hiddenSize % self.model.numAttentionHeads == 0",
-        "spec.model.hiddenSize must be a multiple of spec.model.numAttentionHeads",
-        lambda s: s.model.hidden_size % s.model.num_attention_heads == 0,
+        f"has(self.model.kvChannels) || {_m('hiddenSize')} % {_m('numAttentionHeads')} == 0",
+        "spec.model.hiddenSize must be a multiple of spec.model.numAttentionHeads (or spec.model.kvChannels given)",
+        lambda s: s.model.kv_channels is not None or s.model.hidden_size % s.model.num_attention_heads == 0,
     ),
     SpecRule(
-        "self.model.numLayers % self.pp == 0",
+        f"{_m('numAttentionHeads')} % {_m('numQueryGroups')} == 0",
+        "spec.model.numAttentionHeads must be a multiple of spec.model.numQueryGroups",
+        lambda s: s.model.num_attention_heads % s.model.query_groups == 0,
+    ),
+    SpecRule(
+        f"{_m('numQueryGroups')} % self.tp == 0",
+        "spec.model.numQueryGroups must be a multiple of spec.tp (each tensor-parallel rank holds whole groups)",
+        lambda s: s.model.query_groups % s.tp == 0,
+    ),
+    SpecRule(
+        f"{_m('ffnHiddenSize')} % self.tp == 0",
+        "spec.model.ffnHiddenSize must be a multiple of spec.tp",
+        lambda s: s.model.ffn_size % s.tp == 0,
+    ),
+    SpecRule(
+        f"{_m('vocabSize')} % self.tp == 0",
+        "spec.model.vocabSize must be a multiple of spec.tp (pad it, as Megatron-LM does)",
+        lambda s: s.model.vocab_size % s.tp == 0,
+    ),
+    SpecRule(
+        f"{_m('numLayers')} % self.pp == 0",
         "spec.model.numLayers must be a multiple of spec.pp",
         lambda s: s.model.num_layers % s.pp == 0,
+    ),
+    SpecRule(
+        f"{_m('maxPositionEmbeddings')} >= {_m('seqLength')}",
+        "spec.model.maxPositionEmbeddings must be at least spec.model.seqLength",
+        lambda s: s.model.max_positions >= s.model.seq_length,
+    ),
+    SpecRule(
+        "!has(self.model.numExperts) || "
+        f"((has(self.model.moeRouterTopk) ? self.model.moeRouterTopk : 2) <= self.model.numExperts && "
+        f"!{_m('addBiasLinear')})",
+        "spec.model.numExperts needs moeRouterTopk <= numExperts and addBiasLinear false "
+        "(megatron-core's local experts fail on biases without Transformer Engine)",
+        lambda s: (
+            s.model.num_experts is None
+            or (s.model.moe_router_topk <= s.model.num_experts and not s.model.add_bias_linear)
+        ),
+    ),
+    SpecRule(
+        "!has(self.model.sequenceParallel) || !self.model.sequenceParallel || self.tp > 1",
+        "spec.model.sequenceParallel needs spec.tp > 1",
+        lambda s: not s.model.sequence_parallel or s.tp > 1,
+    ),
+    SpecRule(
+        "!has(self.training.lrSchedule.warmupSteps) || self.training.lrSchedule.warmupSteps < "
+        "(has(self.training.lrSchedule.decaySteps) ? self.training.lrSchedule.decaySteps : self.training.trainIters)",
+        "spec.training.lrSchedule.warmupSteps must be less than decaySteps (trainIters when unset)",
+        lambda s: s.training.lr_schedule.warmup_steps < s.training.decay_steps,
+    ),
+    SpecRule(
+        "self.training.lrSchedule.decayStyle != 'WSD' || (has(self.training.lrSchedule.wsdDecaySteps) && "
+        "self.training.lrSchedule.wsdDecaySteps <= (has(self.training.lrSchedule.decaySteps) ? "
+        "self.training.lrSchedule.decaySteps : self.training.trainIters))",
+        "spec.training.lrSchedule.wsdDecaySteps is required with decayStyle WSD and must not exceed decaySteps",
+        lambda s: (
+            s.training.lr_schedule.decay_style is not LrDecayStyle.WSD
+            or (
+                s.training.lr_schedule.wsd_decay_steps is not None
+                and s.training.lr_schedule.wsd_decay_steps <= s.training.decay_steps
+            )
+        ),
+    ),
+    SpecRule(
+        "!has(self.training.lrSchedule.minLr) || self.training.lrSchedule.minLr <= self.training.lr",
+        "spec.training.lrSchedule.minLr must not exceed spec.training.lr",
+        lambda s: s.training.lr_schedule.min_lr <= s.training.lr,
+    ),
+    SpecRule(
+        "!has(self.training.optimizer.distributed) || !self.training.optimizer.distributed || has(self.checkpoint)",
+        "spec.training.optimizer.distributed needs spec.checkpoint: sharded optimizer state recovers "
+        "from the distributed checkpoint",
+        lambda s: not s.training.optimizer.distributed or s.checkpoint is not None,
     ),
     SpecRule(
         "self.training.globalBatchSize % self.training.microBatchSize == 0",
@@ -240,7 +508,11 @@ class MegatronJobSpec(WireModel):
     command: list[str] | None = Field(default=None, description="Container command; the image's entrypoint when unset.")
     args: list[str] = Field(default_factory=list, description="Extra arguments for the trainer.")
     env: list[EnvVar] = Field(default_factory=list, max_length=256, description="Extra environment variables.")
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The GPT model.")
+    model: ModelSpec = Field(
+        default_factory=ModelSpec,
+        description="The model: a preset and/or TransformerConfig settings.",
+        json_schema_extra={"default": {}},  # unset fields are resolved from the preset, not defaulted
+    )
     training: TrainingSpec = Field(default_factory=TrainingSpec, description="Optimizer, batch and data.")
     tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel size.", json_schema_extra=_immutable("tp"))
     pp: int = Field(default=1, ge=1, le=256, description="Pipeline-parallel size.", json_schema_extra=_immutable("pp"))

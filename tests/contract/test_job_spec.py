@@ -1,7 +1,7 @@
-"""MegatronJobSpec in Python: the committed example parses, every bad job of ``BAD_JOBS`` is
-refused naming its field (bad names by the whole MegatronJob), quantities and GPUs equal to
-gpusPerPod parse (the same list the API-server test applies), derived sizes are right,
-and the status model round-trips through its wire form."""
+"""MegatronJobSpec in Python: the committed examples parse (the Llama one through its preset),
+every bad job of ``BAD_JOBS`` is refused naming its field (bad names by the whole MegatronJob),
+quantities and GPUs equal to gpusPerPod parse (the same list the API-server test applies),
+derived sizes are right, and the status model round-trips through its wire form."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from megatron_contract import MegatronJob, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.job import Condition, JobPhase
-from megatronjob_builders import BAD_JOBS, BadJob, example_job, with_spec
+from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, BadJob, example_job, with_spec
 
 
 def test_example_parses_with_defaults_filled() -> None:
@@ -21,6 +21,14 @@ def test_example_parses_with_defaults_filled() -> None:
     assert job.spec.cp == 1  # defaulted
     assert job.spec.worker_pods == 4
     assert job.spec.failure_detection.heartbeat_timeout_seconds == 10
+
+
+def test_llama_example_resolves_its_preset_with_overrides() -> None:
+    spec = MegatronJob.model_validate(example_job("llama", LLAMA_EXAMPLE)).spec
+    m = spec.model
+    assert (m.num_layers, m.hidden_size, m.query_groups, m.ffn_size, m.vocab_size) == (32, 4096, 8, 14336, 128256)
+    assert m.seq_length == 4096 and m.sequence_parallel  # given next to the preset
+    assert spec.training.lr_schedule.decay_style == "cosine" and spec.training.optimizer.weight_decay == 0.1
 
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)

@@ -1,9 +1,10 @@
 """The CRD on a real kube-apiserver: the example job is accepted and shows in ``kubectl get``
-with its printer columns; every job of ``BAD_JOBS`` (bad fields, and names too long for a label or
-not a DNS-1035 label) is refused by ``kubectl apply`` with a message naming the field; quantities
-in their usual forms, GPUs equal to gpusPerPod and a 63-character name are accepted; tp, pp, cp
-and gpusPerPod cannot change on a live job while replicas can; the status subresource accepts the
-operator's status and ignores status sent with the spec."""
+with its printer columns; the Llama example is accepted with its model fields left as given (the
+preset resolves them, not schema defaults); every job of ``BAD_JOBS`` (bad fields, and names too
+long for a label or not a DNS-1035 label) is refused by ``kubectl apply`` with a message naming
+the field; quantities in their usual forms, GPUs equal to gpusPerPod and a 63-character name are
+accepted; tp, pp, cp and gpusPerPod cannot change on a live job while replicas can; the status
+subresource accepts the operator's status and ignores status sent with the spec."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from localcluster.cluster import LocalCluster
-from megatronjob_builders import BAD_JOBS, BadJob, example_job, with_spec
+from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, BadJob, example_job, with_spec
 
 pytestmark = pytest.mark.cluster
 
@@ -32,6 +33,15 @@ def test_example_is_accepted_and_listed(local_cluster: LocalCluster, namespace: 
     assert got["spec"]["failureDetection"]["collectiveTimeoutSeconds"] == 30
     table = local_cluster.kubectl("get", "megatronjobs", "-n", namespace).stdout
     assert table.split()[:7] == ["NAME", "PHASE", "MESH", "READY", "SPARES", "RECOVERIES", "AGE"], table
+
+
+def test_llama_example_is_accepted_without_model_defaults(local_cluster: LocalCluster, namespace: str) -> None:
+    code, out = apply(local_cluster, namespace, example_job("llama", LLAMA_EXAMPLE))
+    assert code == 0, out
+    got = json.loads(local_cluster.kubectl("get", "mj", "llama", "-n", namespace, "-o", "json").stdout)
+    # The API server must not fill model fields: a default would override the preset's value.
+    assert got["spec"]["model"] == {"preset": "llama3-8b", "seqLength": 4096, "sequenceParallel": True}
+    assert got["spec"]["training"]["lrSchedule"]["warmupSteps"] == 2000
 
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)

@@ -74,11 +74,14 @@ def make_spec(
     train_iters: int = 8,
     global_batch_size: int = 8,
     collective_timeout: float = 10.0,
+    training: dict[str, Any] | None = None,
     **model: Any,
 ) -> MegatronJobSpec:
-    """A small job: a 2-layer GPT that trains in a fraction of a second per step on CPU."""
-    model_args = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
-    model_args.update(model)
+    """A small job: a 2-layer GPT that trains in a fraction of a second per step on CPU (unless
+    ``model`` names a preset).
+    ``training`` adds TrainingSpec fields (optimizer, lrSchedule, ...); ``model`` ModelSpec fields."""
+    tiny = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
+    model_args = {**({} if model.get("preset") else tiny), **model}  # a preset brings its own shape
     return MegatronJobSpec(
         image="local",
         replicas=replicas,
@@ -88,7 +91,12 @@ def make_spec(
         gpus_per_pod=gpus_per_pod,
         model=ModelSpec(**model_args),
         training=TrainingSpec(
-            global_batch_size=global_batch_size, micro_batch_size=1, train_iters=train_iters, lr=1e-3, seed=1234
+            global_batch_size=global_batch_size,
+            micro_batch_size=1,
+            train_iters=train_iters,
+            lr=1e-3,
+            seed=1234,
+            **(training or {}),
         ),
         failure_detection=FailureDetectionSpec(
             heartbeat_interval_seconds=1.0, heartbeat_timeout_seconds=5.0, collective_timeout_seconds=collective_timeout

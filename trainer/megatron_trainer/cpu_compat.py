@@ -94,6 +94,10 @@ class _CudaToCpu(TorchFunctionMode):
     Call sites: optimizer/optimizer.py FP32Optimizer (``torch.tensor(..., device='cuda')``),
     optimizer/clip_grads.py (``torch.zeros(1, device='cuda')``, ``.cuda()`` on norms),
     distributed/param_and_grad_buffer.py (``device=torch.cuda.current_device()``).
+
+    ``Tensor.type()`` names CPU tensors as their CUDA types: optimizer/distrib_optimizer.py
+    (_build_model_and_main_param_groups) and optimizer.py accept only ``torch.cuda.*Tensor``
+    parameters, and every ``.type()`` call in megatron-core compares with CUDA names.
     """
 
     def __torch_function__(
@@ -102,6 +106,9 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name: str = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -160,6 +167,11 @@ def install() -> None:
     # tensor_parallel/random.py CudaRNGStatesTracker.fork swaps "CUDA" RNG states through these.
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # CudaRNGStatesTracker.fork warns when the CPU generator moves inside the fork; here the
+    # "CUDA" generator is the CPU one, so attention dropout moves it every micro-batch, by design.
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
     # optimizer/optimizer.py imported clip_grad_by_total_norm_fp32 by name; replace it there.

@@ -49,7 +49,7 @@ from megatron_trainer.worker.checkpoint_files import (
     newest_complete,
     partial_dir,
 )
-from megatron_trainer.worker.model import TrainState
+from megatron_trainer.worker.model import TrainState, inner_optimizers, set_scheduler_steps
 
 __all__ = [
     "CheckpointSaver",
@@ -79,12 +79,17 @@ def job_config_hash(spec: MegatronJobSpec) -> str:
     return checkpoint_files.config_hash(spec.model.to_wire(), spec.training.precision.value)
 
 
+# Distributed-optimizer state saved in model space, so that it loads under any data-parallel size.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _sharded_state_dict(ts: TrainState, is_loading: bool = False) -> dict[str, object]:
     # The model inside DDP: DDP's own sharded_state_dict prefixes every key with "module.", which
     # its load_state_dict (delegating to the inner module) then does not recognise.
     model_sd = ts.model.module.sharded_state_dict()
     optimizer_sd = ts.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
-    return {"model": model_sd, "optimizer": optimizer_sd}
+    # The scheduler's state is a plain dict: dist_checkpointing saves it once, in the common part.
+    return {"model": model_sd, "optimizer": optimizer_sd, "opt_param_scheduler": ts.scheduler.state_dict()}
 
 
 def _write_and_record(
@@ -375,11 +380,47 @@ def _save_strategy() -> Any:
     return FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy(), _data_parallel_group())
 
 
+class _AbsentIsNone(dict[str, Any]):
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def _tolerate_adam_step_state() -> None:
+    """megatron-core 0.19's DistributedOptimizer, loading ``fully_reshardable`` state with torch's
+    Adam (no Apex/TE), copies every tensor of the live optimizer state from the loaded shard, but
+    the loaded shard leaves out Adam's ``step`` tensor (restored from the param groups instead):
+    ``KeyError: 'step'``. An entry absent from the shard is skipped, as the method already skips
+    non-tensor entries."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "tolerates_absent_state", False):
+        return
+
+    def patched(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        original(self, model_param, _AbsentIsNone(tensors))
+
+    patched.tolerates_absent_state = True  # type: ignore[attr-defined]
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched  # type: ignore[method-assign]
+
+
+def _unshare_adam_steps(ts: TrainState) -> None:
+    """The DistributedOptimizer's loader gives every parameter's state one shared ``step`` tensor
+    (built once from the param groups); torch's Adam increments ``step`` in place per parameter,
+    so a shared one would advance once per parameter per step. Each gets its own copy."""
+    for opt in inner_optimizers(ts.optimizer):
+        for state in opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 def _load(ts: TrainState, directory: Path, parallel_load: bool) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
+    if ts.spec.training.optimizer.distributed:
+        _tolerate_adam_step_state()
     strategy = None
     if parallel_load and dist.get_world_size() > 1:
         # Megatron's fully parallel load: each DP replica reads a share of the shards and the
@@ -389,6 +430,8 @@ def _load(ts: TrainState, directory: Path, parallel_load: bool) -> None:
     loaded = dist_checkpointing.load(_sharded_state_dict(ts, is_loading=True), str(directory), strategy)
     ts.model.load_state_dict(loaded["model"])
     ts.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(ts)
+    set_scheduler_steps(ts, int(loaded["opt_param_scheduler"]["num_steps"]))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     log.info("checkpoint %s loaded in %.2fs", directory.name, time.perf_counter() - start)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_contract.mesh import BatchGeometry
 from megatron_trainer.worker.data import TokenSource, micro_batches
-from megatron_trainer.worker.model import TrainState
+from megatron_trainer.worker.model import TrainState, seed_dropout
 from megatron_trainer.worker.rendezvous import replica_group
 
 
@@ -107,16 +107,17 @@ def train_step(
         if aborted():  # each micro-batch is a point where an aborted step can stop early
             raise StepAborted("epoch aborted during the forward passes")
         mb = next(data_iterator)
-        output = model(mb.tokens, positions, None, labels=mb.labels)
+        seed_dropout(ts.spec, mb.indices[0])
+        batch = {
+            "tokens": mb.tokens,
+            "labels": mb.labels,
+            "position_ids": positions,
+            "loss_mask": torch.ones_like(mb.labels, dtype=torch.float),
+        }
+        output, loss_func = ts.forward_step(iter([batch]), model)  # the job's (worker/providers.py)
         if not fired:
             fired = True
             mid_step_hook()
-
-        def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-            loss_sum = per_token.float().sum()
-            tokens = torch.tensor(per_token.numel(), dtype=torch.int, device=per_token.device)
-            return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach().double(), tokens.double()])}
-
         return output, loss_func
 
     ts.model.zero_grad_buffer()
@@ -141,6 +142,7 @@ def train_step(
     if not ok:
         raise RuntimeError(f"optimizer skipped step {ts.step} (non-finite gradients)")
     ts.step += 1
+    ts.scheduler.step(1)
     samples = tuple(i for mb in mbs for i in mb.indices)
     return StepResult(
         loss=loss, samples=samples, seconds=time.perf_counter() - start, tokens=batch.global_batch_size * seq

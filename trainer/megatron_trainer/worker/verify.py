@@ -42,6 +42,11 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, i
     """
     from megatron.core import parallel_state
 
+    if ts.scheduler.num_steps != ts.step:
+        raise StateMismatch(
+            f"epoch {plan.epoch}: the learning-rate scheduler is at step {ts.scheduler.num_steps}, "
+            f"the state at step {ts.step}"
+        )
     checksum = state_checksum(ts)
     store.set(f"verify/{rank}", f"{ts.step},{checksum}")
     dp_peers = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
