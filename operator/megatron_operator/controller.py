@@ -54,6 +54,13 @@ log = logging.getLogger(__name__)
 
 EXPECTED_POD_SECONDS = 120.0  # a created pod not seen in the index by then is created again
 PUSH_BACKOFF_MAX = 30.0
+# Nodes cut off together (a partition, a control-plane outage) turn NotReady one by one over some
+# seconds, and come back one by one: a node fails its pods only after it has been NotReady for the
+# grace, and for the hold after a partition was seen node state alone fails no pod (heartbeats that
+# stop still do). Kubernetes reports a node NotReady only after 40 s without its lease; 5 s more
+# costs little, and most failures are seen sooner by the trainers or the pod status.
+NODE_NOT_READY_GRACE_SECONDS = 5.0
+PARTITION_HOLD_SECONDS = 30.0
 #: A pod waiting for this reason cannot read its env: the token Secret is likely gone.
 SECRET_MISSING_WAIT = "CreateContainerConfigError"
 #: Least time between two applies of the Secret prompted by pods (not by the periodic check).
@@ -96,6 +103,8 @@ class JobController:
         self.push_backoff: dict[str, float] = {}
         self.waiting = False
         self.partitioned = False
+        self.partition_until = 0.0  # monotonic time until which node state alone fails no pod
+        self.down_since: dict[str, float] = {}  # node -> when this controller first saw it not Ready
         self.doubted: set[tuple[int, str, str | None, int | None]] = set()  # accusations already logged
         self.detected_at: float | None = None
         self.started = time.monotonic()
@@ -188,6 +197,8 @@ class JobController:
         if self.settling:
             due.append(0.25)  # listening for the first reports: look again soon
         retries = [b.next_at - now for b in self.backoffs.values() if b.failures and b.next_at > now]
+        retries += [t + NODE_NOT_READY_GRACE_SECONDS - now for t in self.down_since.values()
+                    if t + NODE_NOT_READY_GRACE_SECONDS > now]
         return max(0.05, min([self.settings.resync_seconds, heartbeat, *due, *retries]))
 
     async def _sleep(self, seconds: float) -> None:
@@ -244,10 +255,12 @@ class JobController:
             log.info("%s/%s: heard from every running pod (or waited %.1f s): plans may change the mesh now",
                      self.job.namespace, self.job.name, fresh_age)
         self.settling = settling
-        a = assess(spec, self.job.uid, self.status, pods, self.nodes(), signals, self.failed, self.expected,
-                   checkpoint_step=self._checkpoint_step(), retired=self.retired,
+        a = assess(spec, self.job.uid, self.status, pods, self._settled_nodes(mono), signals, self.failed,
+                   self.expected, checkpoint_step=self._checkpoint_step(), retired=self.retired,
                    start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
-                   settling=settling)
+                   settling=settling, partition_hold=mono < self.partition_until)
+        if a.partition is not None:
+            self.partition_until = mono + PARTITION_HOLD_SECONDS
         assessed = time.monotonic()
         now = _now()
         for failure in a.failures:
@@ -353,6 +366,21 @@ class JobController:
         await self._write_status(spec, a, plan, phase, reason, message, recoveries, last_failure, generation, now,
                                  duration=duration, committed_epoch=committed_epoch)
         self._post(events)
+
+    def _settled_nodes(self, mono: float) -> dict[str, str]:
+        """Node Ready states, a node counted not Ready only after NODE_NOT_READY_GRACE_SECONDS:
+        nodes cut off together flip one by one, and the partition rule must see them together
+        before the first one fails its pods."""
+        raw = self.nodes()
+        for name, ready in raw.items():
+            if ready == "True":
+                self.down_since.pop(name, None)
+            else:
+                self.down_since.setdefault(name, mono)
+        return {
+            name: ready if ready == "True" or mono - self.down_since[name] >= NODE_NOT_READY_GRACE_SECONDS else "True"
+            for name, ready in raw.items()
+        }
 
     def _note_doubts(self, a: Assessment) -> list[tuple[str, str, str]]:
         """Log, count and announce (once each) accusations not acted on, and a partition."""

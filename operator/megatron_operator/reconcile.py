@@ -167,6 +167,7 @@ def assess(
     retired: Collection[str] = (),
     start_small: bool = False,
     settling: bool = False,
+    partition_hold: bool = False,
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -186,6 +187,8 @@ def assess(
         settling: the operator has only just started watching this job and some running pods
             have not reported yet: a new plan waits for them (at most a few heartbeat intervals),
             or it would shrink past spares that are warm but not heard from yet.
+        partition_hold: a partition was seen a moment ago: nodes that are still NotReady while the
+            others come back fail no pod for it.
     """
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
@@ -201,7 +204,7 @@ def assess(
 
     health = {p.name: classify_pod(p, node_ready) for p in pods}
     partition = _partition(pods, node_ready)
-    if partition is not None:
+    if partition is not None or partition_hold:
         # Most nodes NotReady at once is the control plane's or the network's trouble, not the
         # GPUs' (Kubernetes itself stops evicting then): no failure from node state alone.
         for pod in pods:

@@ -232,6 +232,10 @@ def test_most_nodes_not_ready_at_once_fail_no_pod() -> None:
     one = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {})
     assert [(f.pod, f.reason) for f in one.failures] == [("job-0", FailureReason.NODE_NOT_READY)]
     assert one.partition is None
+    # ... unless a partition was seen a moment ago: the last node of it to come back fails nobody.
+    returning = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {},
+                       partition_hold=True)
+    assert returning.failures == () and returning.partition is None
 
 
 def test_only_warm_pods_join_a_plan() -> None:
