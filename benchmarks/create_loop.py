@@ -8,8 +8,7 @@ for ``--seconds`` each:
 - refused creates: a job whose pods the API server refuses (cpu requests above limits); counts
   the create attempts (pod names reserved on the job, three per attempt).
 
-Prints figures; asserts nothing. Without backoff the first case made about 134 pods in 26 s
-(issue 8, point 5).
+Prints figures; asserts nothing. Without the backoff the first case made about 134 pods in 26 s.
 
     PYTHONPATH=contract:operator:trainer:localcluster:tests/operator \\
         python benchmarks/create_loop.py --seconds 26

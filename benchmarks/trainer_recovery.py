@@ -112,8 +112,11 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=6)
     add_job_args(parser)
     args = parser.parse_args()
-    if args.gpus < 2:
-        parser.error("--gpus must be at least 2 (one trainer and one spare)")
+    if args.gpus < 3:
+        parser.error(
+            "--gpus must be at least 3: two data-parallel trainers (the spare takes its state from the"
+            " survivor) and one spare; on two GPUs, trainer_scenarios.py --gpus 2 measures shrink and grow"
+        )
     rng = random.Random(args.seed)
     dp = args.gpus - 1
     spec = job_spec(args, dp, train_iters=1_000_000)
