@@ -648,6 +648,15 @@ class MegatronJobStatus(WireModel):
             " force is not training yet (the job is Starting or Recovering, not Ready)."
         ),
     )
+    recovery_epoch: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Epoch of the plan that started the last recovery. The recovery is under way while committedEpoch is"
+            " below it; plans made meanwhile (for pods lost while the survivors joined, a join every member"
+            " abandoned) belong to it."
+        ),
+    )
     last_recovery_duration_seconds: float | None = Field(
         default=None,
         ge=0,

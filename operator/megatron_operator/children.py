@@ -108,6 +108,7 @@ class StartTracker:
         retired: Container[str],
         nodes: Mapping[str, str],
         now: float,
+        reported: Container[str] = (),
     ) -> StartOutcome:
         """Settle every tracked pod that started or failed.
 
@@ -117,6 +118,7 @@ class StartTracker:
             retired: pods the operator itself deleted on purpose (never a failed start).
             nodes: Ready status by node name.
             now: ``time.monotonic()``.
+            reported: pods whose agent has reported: they started, however soon they fail later.
         """
         by_name = {p.name: p for p in pods}
         started: list[str] = []
@@ -143,7 +145,9 @@ class StartTracker:
                 why = failure.message if failure is not None else f"pod {name} failed"
                 messages.append(f"{why} ({now - at:.0f} s after its creation)")
                 del self._created[name]
-            elif health is PodHealth.SUCCEEDED or (health is PodHealth.READY and now - at >= START_GRACE_SECONDS):
+            elif health is PodHealth.SUCCEEDED or (
+                health is PodHealth.READY and (name in reported or now - at >= START_GRACE_SECONDS)
+            ):
                 started.append(name)
                 del self._created[name]
         self._seen &= set(self._created)

@@ -283,12 +283,13 @@ class JobController:
             f = a.failures[-1]
             last_failure = FailureRecord(pod=f.pod, reason=f.reason.value, message=f.message, time=now)
         decision = a.decision
-        recoveries = self.status.recoveries
+        recoveries, recovery_epoch = self.status.recoveries, self.status.recovery_epoch
         fresh = False  # a plan made in this pass
         if decision is not None and decision.outcome is Outcome.NEW_PLAN and decision.plan is not None:
             new_plan = decision.plan.model_copy(update={"created_at": now})
             if is_recovery(new_plan) and not recovery_open(self.status):
                 recoveries += 1  # a new incident; plans made while one is under way belong to it
+                recovery_epoch = new_plan.epoch
             plan, fresh = new_plan, True
             self.waiting = False
             self.acked, self.acked_epoch = set(), new_plan.epoch
@@ -297,7 +298,7 @@ class JobController:
             phase, reason = phase_of(new_plan, False, False, True)
             # (1) The commit point: the plan is in status before any pod or agent hears of it.
             await self._write_status(spec, a, plan, phase, reason, decision.message, recoveries, last_failure,
-                                     generation, now, force=True)
+                                     generation, now, force=True, recovery_epoch=recovery_epoch)
             metrics.PLANS.labels(**self._labels, reason=new_plan.reason.value).inc()
             events.append(("Normal", Reason.PLAN_CREATED, f"epoch {new_plan.epoch}: {decision.message}"))
             for name in decision.promoted:
@@ -539,7 +540,8 @@ class JobController:
 
     def _settle_starts(self, pods: list[PodFacts], now: float) -> None:
         """Pods created here that failed soon count against the pod backoff; one that started resets it."""
-        outcome = self.starts.observe(pods, self.failed, self.retired, self.nodes(), now)
+        reported = {p.name for p in pods if self.book.last(self.job.uid, p.name) is not None}
+        outcome = self.starts.observe(pods, self.failed, self.retired, self.nodes(), now, reported)
         backoff = self.backoffs[Child.POD]
         if outcome.started:
             backoff.succeeded()
@@ -647,6 +649,7 @@ class JobController:
         *,
         duration: float | None = None,
         committed_epoch: int | None = None,
+        recovery_epoch: int | None = None,
         force: bool = False,
     ) -> None:
         members = {m.pod for m in plan.members} if plan is not None else set()
@@ -662,6 +665,7 @@ class JobController:
             spares_wanted=spec.spares,
             recoveries=recoveries,
             committed_epoch=self.status.committed_epoch if committed_epoch is None else committed_epoch,
+            recovery_epoch=self.status.recovery_epoch if recovery_epoch is None else recovery_epoch,
             last_recovery_duration=duration if duration is not None else self.status.last_recovery_duration_seconds,
             last_failure=last_failure,
             step=step,

@@ -142,6 +142,7 @@ def plan_mesh(
     checkpoint_step: int | None = None,
     store_hosts: Sequence[str] = (),
     previous_trained: bool = True,
+    retry: bool = False,
     now: datetime | None = None,
 ) -> PlanDecision:
     """The next mesh plan.
@@ -162,6 +163,8 @@ def plan_mesh(
         previous_trained: whether every member of ``previous`` committed a step in its epoch.
             When not, the ranks that were to receive their state in it never did: only ranks
             that kept their own state then still hold any.
+        retry: every member abandoned the join of ``previous`` and nobody is to blame: a new plan
+            (a new epoch, its store on the freshest member) even when no pod was lost.
         now: the plan's creation time.
 
     Returns:
@@ -209,7 +212,7 @@ def plan_mesh(
     n_units = min(max_units, available // shape.pods_per_unit)
     current_units = len(previous_units)
 
-    if not lost and n_units == current_units:
+    if not lost and n_units == current_units and not retry:
         return PlanDecision(Outcome.UNCHANGED, previous)
     if n_units < min_units:
         return PlanDecision(
@@ -259,6 +262,7 @@ def plan_mesh(
         + (f", promoted {', '.join(promoted)}" if promoted else "")
         + (f", released {', '.join(released)}" if released else "")
         + (f" (spec.replicas is {spec.replicas})" if reason is PlanReason.RESIZE else "")
+        + (f"; every member abandoned epoch {previous.epoch}, joining again" if retry and not lost else "")
     )
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
 

@@ -121,6 +121,14 @@ def _detect(
     return list(found.values()), doubted
 
 
+def _abandoned(plan: MeshPlan, signals: AgentSignals, failed: Collection[str]) -> bool:
+    """Every member reported a failed collective (or join) in the epoch and none is to blame: the
+    epoch cannot go on (each member waits for the next plan), so it is planned again."""
+    members = {m.pod for m in plan.members}
+    reporters = {a.reporter for a in signals.accusations if a.epoch == plan.epoch}
+    return bool(members) and members <= reporters and not members & set(failed)
+
+
 def _credible_accusations(
     plan: MeshPlan, signals: AgentSignals, doubted: list[Accusation]
 ) -> list[tuple[str, Accusation]]:
@@ -259,7 +267,8 @@ def assess(
         resume = signals.completed_step
         decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
                              checkpoint_step=checkpoint_step, store_hosts=signals.fresh,
-                             previous_trained=status.committed_epoch >= plan.epoch)
+                             previous_trained=status.committed_epoch >= plan.epoch,
+                             retry=_abandoned(plan, signals, failed))
         if settling and decision.outcome is not Outcome.UNCHANGED:
             decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
         # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
@@ -332,10 +341,13 @@ def _state_lost(status: MegatronJobStatus, plan: MeshPlan, new_plan: MeshPlan | 
 
 
 def recovery_open(status: MegatronJobStatus) -> bool:
-    """Whether a recovery is under way: the plan in force was made because pods were lost, and
-    its members have not all committed a training step in it yet."""
+    """Whether a recovery is under way: since the plan that started the last one (or the plan in
+    force, when it was made because pods were lost), no plan has trained."""
     plan = status.plan
-    return plan is not None and is_recovery(plan) and status.committed_epoch < plan.epoch
+    if plan is None:
+        return False
+    started = max(status.recovery_epoch, plan.epoch if is_recovery(plan) else 0)
+    return status.committed_epoch < started
 
 
 def _recovery_budget(

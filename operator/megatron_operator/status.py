@@ -89,6 +89,7 @@ class Observation:
     spares_wanted: int
     recoveries: int
     committed_epoch: int = 0
+    recovery_epoch: int = 0
     last_recovery_duration: float | None = None
     last_failure: FailureRecord | None = None
     step: int | None = None
@@ -186,6 +187,7 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
         spares_ready=obs.spares_ready,
         recoveries=obs.recoveries,
         committed_epoch=obs.committed_epoch,
+        recovery_epoch=obs.recovery_epoch,
         last_recovery_duration_seconds=obs.last_recovery_duration,
         last_failure=obs.last_failure,
         step=obs.step if obs.step is not None else old.step,

@@ -112,6 +112,9 @@ def test_start_tracker_settles_failed_and_started_pods() -> None:
     t.created(["h"], now=50.0)
     assert t.observe([], {}, set(), {}, now=50.0 + FORGET_UNSEEN_SECONDS + 1) == StartOutcome()
     assert len(t) == 0  # never seen: forgotten, neither started nor failed
+    # A pod whose agent reported started, before the grace: failing later is no failed start.
+    t.created(["i"], now=60.0)
+    assert t.observe([_facts("i")], {}, set(), {}, now=61.0, reported={"i"}).started == ("i",)
 
 
 def test_verdict_names_the_first_reportable_child() -> None:

@@ -309,3 +309,22 @@ def test_losing_every_holder_of_trained_state_fails_the_job_instead_of_starting_
     # With a checkpoint, the spare reloads it.
     reload = assess(SPEC, JOB_UID, trained, spare_only, NODES, AgentSignals(), {}, checkpoint_step=10)
     assert reload.terminal is None and reload.plan is not None and reload.plan.resume_step == 10
+
+
+def test_an_epoch_every_member_abandoned_is_planned_again_within_its_recovery() -> None:
+    status, pods = _running_job()
+    status = status.model_copy(update={"committed_epoch": 1})
+    one = AgentSignals(accusations=[Accusation(1, "job-0", None, None, "wait timeout after 15000ms")])
+    assert assess(SPEC, JOB_UID, status, pods, NODES, one, {}).decision.outcome is Outcome.UNCHANGED  # type: ignore[union-attr]
+    both = AgentSignals(accusations=[Accusation(1, "job-0", None, None, "wait timeout after 15000ms"),
+                                     Accusation(1, "job-1", None, None, "wait timeout after 15000ms")])
+    a = assess(SPEC, JOB_UID, status, pods, NODES, both, {})
+    assert a.failures == () and a.plan is not None and a.plan.epoch == 2
+    assert {m.pod for m in a.plan.members} == {"job-0", "job-1"} and a.plan.reason is PlanReason.REPLACE
+    assert a.decision is not None and "every member abandoned epoch 1" in a.decision.message
+    # A grow made while a recovery was under way keeps it open: a retry of it is the same recovery.
+    grow = a.plan.model_copy(update={"reason": PlanReason.GROW, "epoch": 3})
+    within = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=grow, epoch=3, committed_epoch=1, recovery_epoch=2,
+                               recoveries=1)
+    assert recovery_open(within)
+    assert not recovery_open(within.model_copy(update={"committed_epoch": 3}))

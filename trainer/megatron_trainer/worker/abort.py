@@ -148,6 +148,12 @@ def release_process_groups() -> None:
     with _lock:
         if dist.is_initialized():
             dist.destroy_process_group()
+        else:
+            # An init_process_group that failed (a store wait timed out) has already taken a group
+            # name from torch's counter; destroy_process_group would reset it but needs a default
+            # group. Left advanced, the next epoch's groups get other names than the other ranks'
+            # and their rendezvous keys never meet.
+            dist.distributed_c10d._world.group_count = 0
         _current = None
     gc.collect()
 
