@@ -62,19 +62,23 @@ def _events(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
 
 
 def _check_samples(samples: Path, iters: int, global_batch: int, show: Callable[[], str]) -> None:
-    """Every step 0..iters-1 committed in one epoch, with exactly samples [step*G, (step+1)*G)."""
+    """Every step 0..iters-1 committed in one epoch, with exactly samples [step*G, (step+1)*G), and
+    one loss that every member of the step agrees on bit for bit."""
     by_step: dict[int, list[int]] = {}
     epochs: dict[int, set[int]] = {}
+    losses: dict[int, set[float]] = {}
     for path in samples.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             r = json.loads(line)
             by_step.setdefault(r["step"], []).extend(r["samples"])
             epochs.setdefault(r["step"], set()).add(r["epoch"])
+            losses.setdefault(r["step"], set()).add(r["loss"])
     assert sorted(by_step) == list(range(iters)), f"steps committed: {sorted(by_step)}\n{show()}"
     for step, got in sorted(by_step.items()):
         want = list(range(step * global_batch, (step + 1) * global_batch))
         assert sorted(got) == want, f"step {step} consumed {sorted(got)}, not {want}\n{show()}"
         assert len(epochs[step]) == 1, f"step {step} committed in epochs {epochs[step]}\n{show()}"
+        assert len(losses[step]) == 1, f"step {step}: members disagree on the loss {losses[step]}\n{show()}"
 
 
 def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show: Callable[[], str]) -> dict[str, Any]:

@@ -13,7 +13,8 @@ Liveness: only pods whose agents reported warm workers join a plan (a cold spare
 promoted: the job shrinks); a failed-peer report is acted on only when plausible and corroborated;
 most nodes NotReady at once fail no pod; plans made while a recovery is under way do not spend
 the recovery budget, but a recovery that never converges ends; losing every holder of trained state
-with no checkpoint fails the job (StateLost) instead of silently starting over.
+with no checkpoint fails the job (StateLost) instead of silently starting over; an epoch every
+member abandoned (a join that timed out, nobody to blame) is planned again within its recovery.
 """
 
 from __future__ import annotations
