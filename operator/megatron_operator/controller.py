@@ -255,10 +255,12 @@ class JobController:
             log.info("%s/%s: heard from every running pod (or waited %.1f s): plans may change the mesh now",
                      self.job.namespace, self.job.name, fresh_age)
         self.settling = settling
-        a = assess(spec, self.job.uid, self.status, pods, self._settled_nodes(mono), signals, self.failed,
+        nodes = self.nodes()
+        a = assess(spec, self.job.uid, self.status, pods, nodes, signals, self.failed,
                    self.expected, checkpoint_step=self._checkpoint_step(), retired=self.retired,
                    start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
-                   settling=settling, partition_hold=mono < self.partition_until)
+                   settling=settling, partition_hold=mono < self.partition_until,
+                   recently_down=self._recently_down(nodes, mono))
         if a.partition is not None:
             self.partition_until = mono + PARTITION_HOLD_SECONDS
         assessed = time.monotonic()
@@ -368,20 +370,16 @@ class JobController:
                                  duration=duration, committed_epoch=committed_epoch)
         self._post(events)
 
-    def _settled_nodes(self, mono: float) -> dict[str, str]:
-        """Node Ready states, a node counted not Ready only after NODE_NOT_READY_GRACE_SECONDS:
+    def _recently_down(self, nodes: dict[str, str], mono: float) -> set[str]:
+        """Nodes NotReady for less than NODE_NOT_READY_GRACE_SECONDS (as this controller saw them):
         nodes cut off together flip one by one, and the partition rule must see them together
         before the first one fails its pods."""
-        raw = self.nodes()
-        for name, ready in raw.items():
+        for name, ready in nodes.items():
             if ready == "True":
                 self.down_since.pop(name, None)
             else:
                 self.down_since.setdefault(name, mono)
-        return {
-            name: ready if ready == "True" or mono - self.down_since[name] >= NODE_NOT_READY_GRACE_SECONDS else "True"
-            for name, ready in raw.items()
-        }
+        return {name for name, since in self.down_since.items() if mono - since < NODE_NOT_READY_GRACE_SECONDS}
 
     def _note_doubts(self, a: Assessment) -> list[tuple[str, str, str]]:
         """Log, count and announce (once each) accusations not acted on, and a partition."""

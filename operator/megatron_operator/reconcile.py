@@ -176,6 +176,7 @@ def assess(
     start_small: bool = False,
     settling: bool = False,
     partition_hold: bool = False,
+    recently_down: Collection[str] = (),
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -197,6 +198,8 @@ def assess(
             or it would shrink past spares that are warm but not heard from yet.
         partition_hold: a partition was seen a moment ago: nodes that are still NotReady while the
             others come back fail no pod for it.
+        recently_down: nodes NotReady for less than a grace: they count for the partition rule
+            but fail no pod yet (nodes cut off together flip one by one).
     """
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
@@ -210,7 +213,8 @@ def assess(
     if status.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
         return _wind_down(status, pods, plan, known_failures)
 
-    health = {p.name: classify_pod(p, node_ready) for p in pods}
+    settled = {n: "True" if n in recently_down else ready for n, ready in node_ready.items()}
+    health = {p.name: classify_pod(p, settled) for p in pods}
     partition = _partition(pods, node_ready)
     if partition is not None or partition_hold:
         # Most nodes NotReady at once is the control plane's or the network's trouble, not the

@@ -233,6 +233,14 @@ def test_most_nodes_not_ready_at_once_fail_no_pod() -> None:
     one = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {})
     assert [(f.pod, f.reason) for f in one.failures] == [("job-0", FailureReason.NODE_NOT_READY)]
     assert one.partition is None
+    # ... once it has been NotReady for the grace: a node that just flipped may be the first of a partition.
+    just = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {},
+                  recently_down={"gpu-0"})
+    assert just.failures == ()
+    # Nodes still in their grace count for the partition rule.
+    flipping = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"}, AgentSignals(),
+                      {}, recently_down={"gpu-1"})
+    assert flipping.failures == () and flipping.partition is not None
     # ... unless a partition was seen a moment ago: the last node of it to come back fails nobody.
     returning = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {},
                        partition_hold=True)
