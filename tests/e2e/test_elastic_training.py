@@ -99,7 +99,8 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
 
     port = free_port()  # both operator processes: the pods report to the URL they were created with
     with running_operator(local_cluster, namespace, log, port):
-        code, body = local_cluster.request("POST", jobs, make_elastic_job(name, train_iters=60))
+        # Long enough that the new spare is warm before training ends (a finished job drops its spares).
+        code, body = local_cluster.request("POST", jobs, make_elastic_job(name, train_iters=300))
         assert code == 201, body
         wait_for(lambda: job_status(local_cluster, namespace, name).get("step", 0) >= 5, "step 5", 300, show)
     before = token()
@@ -124,4 +125,4 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
             lambda: (s := job_status(local_cluster, namespace, name)).get("phase") == "Succeeded" and s,
             "the job to succeed", 600, show,
         )
-        assert final["recoveries"] == 1 and final["step"] == 60, show()
+        assert final["recoveries"] == 1 and final["step"] == 300, show()

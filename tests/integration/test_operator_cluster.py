@@ -43,6 +43,7 @@ from megatron_contract import wire
 pytestmark = pytest.mark.cluster
 JOB = "train"
 T = 30.0  # deadline of one wait
+CHECKPOINT = {"path": "/ckpt", "intervalSteps": 10}
 
 
 @pytest.fixture
@@ -136,7 +137,10 @@ def test_terminated_container_failed_phase_and_failed_spare_are_replaced(h: Harn
 
 
 def test_node_not_ready_fails_its_pods(h: Harness) -> None:
-    status = _start(h, nodes=2, replicas=1, spares=1, min_replicas=1)
+    # The only replica is lost: the spare restores the checkpoint the member reported.
+    h.agents.checkpoint_interval = 10
+    status = _start(h, nodes=2, replicas=1, spares=1, min_replicas=1, checkpoint=CHECKPOINT)
+    h.wait_status(lambda s: s.get("checkpointStep"), "a checkpoint to recover from")
     victim = h.members(status)[0]
     node = next(p["spec"]["nodeName"] for p in h.api.pods(JOB) if p["metadata"]["name"] == victim)
     h.cluster.set_node_ready(node, False)
@@ -221,7 +225,9 @@ def test_agents_stale_epoch_silence_and_peer_accusation(h: Harness) -> None:
 
 
 def test_max_recoveries_fails_the_job_and_releases_pods(h: Harness) -> None:
-    status = _start(h, replicas=1, spares=1, min_replicas=1, max_recoveries=1)
+    h.agents.checkpoint_interval = 10
+    status = _start(h, replicas=1, spares=1, min_replicas=1, max_recoveries=1, checkpoint=CHECKPOINT)
+    h.wait_status(lambda s: s.get("checkpointStep"), "a checkpoint to recover from")
     h.api.delete_pod(h.members(status)[0])
     status = h.wait_running(2)
     h.api.delete_pod(h.members(status)[0])

@@ -149,6 +149,9 @@ class RecordingAgents:
         self.running: set[str] = set()  # pods running at the last sync
         self.members: dict[str, set[str]] = {}  # pod -> members of the plan it holds
         self.mute: set[str] = set()  # pods whose heartbeats the test sends itself (or withholds)
+        # When set, members report a complete checkpoint every this many of their steps (the
+        # operator restores from it when no peer holds the state any more).
+        self.checkpoint_interval: int | None = None
         self.job_uid: str | None = None
         self.operator_urls: list[str] = []
         self._lock = threading.Lock()
@@ -252,6 +255,8 @@ class RecordingAgents:
                     if pod in self.members.get(pod, set()):
                         steps[pod] = steps.get(pod, 0) + 1
                         report.update(state="training", step=steps[pod])
+                        if self.checkpoint_interval and steps[pod] >= self.checkpoint_interval:
+                            report["checkpointStep"] = steps[pod] - steps[pod] % self.checkpoint_interval
                     else:
                         report["state"] = "spare"
                     reports.append(report)

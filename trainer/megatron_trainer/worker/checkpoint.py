@@ -276,7 +276,9 @@ class CheckpointSaver:
             return
         if not done:
             return
-        self._in_flight = None
+        # A queue per save: Megatron checks that every rank finalizes the same call index, and a
+        # rank that joined in a later epoch (a promoted spare) has made fewer saves than the others.
+        self._queue, self._in_flight = None, None
         error = self._publish(flight) if dist.get_rank() == 0 else ""
         errors: list[str | None] = [error]
         dist.broadcast_object_list(errors, src=0)
