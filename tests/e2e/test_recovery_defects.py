@@ -12,12 +12,14 @@ Scenarios (each a defect once found on main):
 - every node NotReady at once while the pods keep running (a partition): no pod fails, training
   goes on, and after the nodes return the job succeeds without a recovery.
 The operator's log, the job, the pods and each pod's log tail are printed when a test fails.
+``MEGATRON_E2E_REPEAT=10`` runs the first two scenarios ten times each (in one cluster).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import urllib.request
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from megatron_contract import wire
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 POOL = "defects"
+REPEAT = range(int(os.environ.get("MEGATRON_E2E_REPEAT", "1")))
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +94,9 @@ def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show:
     )
 
 
+@pytest.mark.parametrize("run", REPEAT)
 def test_two_workers_killed_at_once_with_one_spare(
-    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
+    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
 ) -> None:
     log, samples = tmp_path / "operator.log", tmp_path / "samples"
     job = _job("two", samples, replicas=3, spares=1)
@@ -120,8 +124,9 @@ def test_two_workers_killed_at_once_with_one_spare(
         _check_samples(samples, 60, 6, show)
 
 
+@pytest.mark.parametrize("run", REPEAT)
 def test_spare_killed_while_it_is_promoted(
-    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
+    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
 ) -> None:
     log, samples = tmp_path / "operator.log", tmp_path / "samples"
     job = _job("promo", samples, replicas=2, spares=1)
