@@ -7,7 +7,9 @@ writer). The script plays agent and operator, as the tests do (``tests/trainer/w
 For each mode it prints the median step time (the steps' own compute; writes in the background
 show there as contention), the training-thread time a save took from the step that started it
 (``blocking``: with synchronous saves, the whole write), and start-to-complete time of each save (``total``,
-reported in ``CheckpointSaved``); writes JSON with ``--out``.
+reported in ``CheckpointSaved``), each save's throughput in GB/s; then fresh warm pods restore the
+newest checkpoint (verified, fully parallel load) and train one step: load time, GB/s and plan → first
+step. Writes JSON with ``--out``.
 
     python benchmarks/checkpoint_save.py --gpus 4 --iters 30 --interval 10 --out result.json
 
@@ -36,7 +38,9 @@ from trainer_recovery import add_job_args, job_spec  # noqa: E402
 from worker_harness import WorkerCluster  # noqa: E402
 
 from megatron_contract.job import CheckpointSpec  # noqa: E402
-from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, Progress  # noqa: E402
+from megatron_contract.mesh import StateSource, StateSourceKind  # noqa: E402
+from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, PhaseTimes, Progress  # noqa: E402
+from megatron_trainer.worker.checkpoint_files import checkpoint_dir, complete_steps  # noqa: E402
 
 
 def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, object]:
@@ -92,6 +96,54 @@ def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, o
     return result
 
 
+def restore(args: argparse.Namespace, root: Path) -> dict[str, object]:
+    """Fresh warm pods restore the newest checkpoint under ``root`` and train one step: the load
+    (verification included) and the first step, and the checkpoint's size for GB/s."""
+    step = max(complete_steps(root))
+    directory = checkpoint_dir(root, step)
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    spec = job_spec(args, dp=args.gpus, train_iters=step + 1)
+    spec = spec.model_copy(update={"checkpoint": CheckpointSpec(path=str(root), interval_steps=10_000), "spares": 0})
+    with tempfile.TemporaryDirectory(prefix="ckpt-load-") as work:
+        cluster = WorkerCluster(spec, Path(work))
+        try:
+            pods = [f"r{i}" for i in range(args.gpus)]
+            for i, pod in enumerate(pods):
+                cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(i)})
+            cluster.wait_ready(pods, timeout=600)
+            sources = {
+                r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=step)
+                for r in range(args.gpus)
+            }
+            cluster.assign(cluster.plan(pods, resume_step=step, sources=sources))
+            cluster.wait_succeeded(pods, timeout=1200)
+            phases = cluster.pods[pods[0]][0].of_type(PhaseTimes)[0].phases
+        except BaseException:
+            print(cluster.logs())
+            raise
+        finally:
+            cluster.close()
+    load = phases.get("restore", 0.0)
+    result = {
+        "checkpoint_step": step,
+        "checkpoint_bytes": size,
+        "restore_seconds": load,
+        "load_gb_per_s": size / load / 1e9 if load > 0 else None,
+        "plan_to_first_step_seconds": sum(v for k, v in phases.items() if k in _JOIN_PHASES),
+        "phases": phases,
+    }
+    print(
+        f"restore: {size / 1e9:.1f} GB checkpoint of step {step} verified and loaded in {load:.2f}s"
+        f" ({result['load_gb_per_s'] or 0:.2f} GB/s); plan -> first step {result['plan_to_first_step_seconds']:.2f}s",
+        flush=True,
+    )
+    return result
+
+
+# The phases a worker reports between a plan and its first committed step (not their sub-phases).
+_JOIN_PHASES = ("rendezvous", "rebuild", "restore", "verify", "first_step")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(parser)
@@ -104,6 +156,12 @@ def main() -> int:
         base = args.dir or Path(tmp)
         for asynchronous in (False, True):
             results.append(run(args, asynchronous, base / ("async" if asynchronous else "sync")))
+        loaded = restore(args, base / "async")
+        for r in results:  # save throughput: the checkpoint's bytes over each save's start-to-complete
+            for save in r["saves"]:  # type: ignore[union-attr]
+                total = save["total_seconds"]
+                save["gb_per_s"] = loaded["checkpoint_bytes"] / total / 1e9 if total else None  # type: ignore[operator]
+        results.append({"mode": "restore", **loaded})
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0
