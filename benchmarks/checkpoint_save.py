@@ -43,6 +43,15 @@ from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, PhaseTi
 from megatron_trainer.worker.checkpoint_files import checkpoint_dir, complete_steps  # noqa: E402
 
 
+def _start_pods(cluster: WorkerCluster, prefix: str, gpus: int) -> list[str]:
+    """One warm pod per GPU, as Kubernetes gives each pod its own."""
+    pods = [f"{prefix}{i}" for i in range(gpus)]
+    for i, pod in enumerate(pods):
+        cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(i)})
+    cluster.wait_ready(pods, timeout=600)
+    return pods
+
+
 def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, object]:
     """Train once with checkpoints in the given mode; returns the figures of rank 0's worker."""
     spec = job_spec(args, dp=args.gpus, train_iters=args.iters)
@@ -51,10 +60,7 @@ def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, o
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as work:
         cluster = WorkerCluster(spec, Path(work))
         try:
-            pods = [f"p{i}" for i in range(args.gpus)]
-            for i, pod in enumerate(pods):
-                cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(i)})
-            cluster.wait_ready(pods, timeout=600)
+            pods = _start_pods(cluster, "p", args.gpus)
             cluster.assign(cluster.plan(pods))
             cluster.wait_succeeded(pods, timeout=3600)
             first = cluster.pods[pods[0]][0]
@@ -107,10 +113,7 @@ def restore(args: argparse.Namespace, root: Path) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="ckpt-load-") as work:
         cluster = WorkerCluster(spec, Path(work))
         try:
-            pods = [f"r{i}" for i in range(args.gpus)]
-            for i, pod in enumerate(pods):
-                cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(i)})
-            cluster.wait_ready(pods, timeout=600)
+            pods = _start_pods(cluster, "r", args.gpus)
             sources = {
                 r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=step)
                 for r in range(args.gpus)

@@ -108,6 +108,20 @@ def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show:
     )
 
 
+def _succeeded_after_one_recovery(
+    cluster: LocalCluster, namespace: str, name: str, show: Callable[[], str]
+) -> dict[str, Any]:
+    final: dict[str, Any] = wait_for(
+        lambda: (s := job_status(cluster, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
+        "the job to end",
+        600,
+        show,
+    )
+    assert final["phase"] == "Succeeded", show()
+    assert final["recoveries"] == 1, show()
+    return final
+
+
 @pytest.mark.parametrize("run", REPEAT)
 def test_two_workers_killed_at_once_with_one_spare(
     local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
@@ -124,14 +138,7 @@ def test_two_workers_killed_at_once_with_one_spare(
         a, b, _ = (m["pod"] for m in status["plan"]["members"])
         nodes.kill_pod_process(namespace, a, signal.SIGKILL)
         nodes.kill_pod_process(namespace, b, signal.SIGKILL)
-        final = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "two")).get("phase") in ("Succeeded", "Failed") and s,
-            "the job to end",
-            600,
-            show,
-        )
-        assert final["phase"] == "Succeeded", show()
-        assert final["recoveries"] == 1, show()
+        final = _succeeded_after_one_recovery(local_cluster, namespace, "two", show)
         assert final["epoch"] >= 2 and final["committedEpoch"] == final["epoch"], show()
         members = {m["pod"] for m in final["plan"]["members"]}
         assert not members & {a, b}, show()
@@ -162,15 +169,7 @@ def test_spare_killed_while_it_is_promoted(
         promoted = [m["pod"] for m in plan["members"] if m["pod"] not in members]
         assert len(promoted) == 1, plan
         nodes.kill_pod_process(namespace, promoted[0], signal.SIGKILL)  # while the survivors join
-        final = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "promo")).get("phase") in ("Succeeded", "Failed")
-            and s,
-            "the job to end",
-            600,
-            show,
-        )
-        assert final["phase"] == "Succeeded", show()
-        assert final["recoveries"] == 1, show()
+        _succeeded_after_one_recovery(local_cluster, namespace, "promo", show)
         _check_samples(samples, 60, 6, show, killed={members[0], promoted[0]})
 
 
