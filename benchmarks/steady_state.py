@@ -25,7 +25,9 @@ Step time of a window: the plain arm synchronizes the device before and after it
 for the worker, the time between the arrivals of its ``Progress`` messages for the step before the
 window and the window's last step (the worker reads the loss every step, so it is in step with the
 device there). Per-step times (for p50) are host timestamps at each step's end in both arms.
-Overhead = worker / plain - 1 over all measured steps (target <= 1 %).
+Overhead = worker / plain - 1 over all measured steps (target <= 1 %). ``--decompose`` adds a third
+arm, the worker's own step function (``worker/step.py``) run by the plain process: it splits the
+overhead into the step function's share and the worker process's (threads, channel, messages).
 
 Configurations (``--configs``, each run in turn with fresh processes):
 
@@ -182,7 +184,7 @@ def plain_rank_main(argv: list[str]) -> int:
     for line in stream:
         command = json.loads(line)
         if command["cmd"] == "run":
-            reply(loop.window(command["warmup"], command["steps"]))
+            reply(loop.window(command["warmup"], command["steps"], command.get("variant", "plain")))
         elif command["cmd"] == "memory":
             reply(_memory(device))
         else:
@@ -196,7 +198,6 @@ class PlainLoop:
 
     def __init__(self, ts: Any, source: Any, batch: Any, dp_rank: int, device: Any) -> None:
         self.ts, self.source, self.batch, self.dp_rank, self.device = ts, source, batch, dp_rank, device
-        self.step = 0
         self.loss_total: Any = None
 
     def train_step(self) -> None:
@@ -208,7 +209,7 @@ class PlainLoop:
         from megatron_trainer.worker.data import micro_batches
 
         ts = self.ts
-        mbs = list(micro_batches(self.source, self.batch, self.dp_rank, self.step, self.device))
+        mbs = list(micro_batches(self.source, self.batch, self.dp_rank, ts.step, self.device))
         seq = mbs[0].tokens.shape[1]
         positions = torch.arange(seq, device=self.device).unsqueeze(0)
 
@@ -239,23 +240,41 @@ class PlainLoop:
         totals = torch.stack([r["lm loss"] for r in reported]).sum(0)
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         self.loss_total = totals
-        self.step += 1
+        ts.step += 1
 
-    def window(self, warmup: int, steps: int) -> dict[str, Any]:
+    def worker_step(self) -> None:
+        """The worker's own step function (``worker/step.py``: dropout reseeded per micro-batch, the
+        loss read before the update, the abortable commit), without the worker process around it."""
+        from megatron_trainer.worker.step import train_step
+
+        train_step(self.ts, self.source, self.batch, self.dp_rank, self.device, lambda: None)
+        self.loss_total = None
+
+    def window(self, warmup: int, steps: int, variant: str = "plain") -> dict[str, Any]:
         """``warmup`` steps, then ``steps`` timed ones: device-synced start and end, host time at
-        each step's end."""
-        for _ in range(warmup):
-            self.train_step()
-        self._sync()
-        start = time.perf_counter()
-        ends = []
-        for _ in range(steps):
-            self.train_step()
-            ends.append(time.perf_counter())
-        self._sync()
-        end = time.perf_counter()
+        each step's end. ``variant`` ``worker-step`` trains with :meth:`worker_step`."""
+        from megatron_trainer.worker.step import guard_commit
+
+        step = self.train_step
+        unguarded = self.ts.optimizer.step_with_ready_grads
+        if variant == "worker-step":
+            step = self.worker_step
+            guard_commit(self.ts, lambda: False, self.device)  # as the worker installs it per epoch
+        try:
+            for _ in range(warmup):
+                step()
+            self._sync()
+            start = time.perf_counter()
+            ends = []
+            for _ in range(steps):
+                step()
+                ends.append(time.perf_counter())
+            self._sync()
+            end = time.perf_counter()
+        finally:
+            self.ts.optimizer.step_with_ready_grads = unguarded
         loss = float(self.loss_total[0] / self.loss_total[1]) if self.loss_total is not None else float("nan")
-        return {"start": start, "ends": ends, "end": end, "loss": loss, "step": self.step}
+        return {"start": start, "ends": ends, "end": end, "loss": loss, "step": self.ts.step}
 
     def _sync(self) -> None:
         import torch
@@ -337,8 +356,8 @@ class PlainArm:
         infos = [self._read(i) for i in range(len(self.ranks))]  # every rank must be ready
         self.info = infos[0]
 
-    def window(self, warmup: int, steps: int) -> dict[str, Any]:
-        return self._ask_all({"cmd": "run", "warmup": warmup, "steps": steps})[0]
+    def window(self, warmup: int, steps: int, variant: str = "plain") -> dict[str, Any]:
+        return self._ask_all({"cmd": "run", "warmup": warmup, "steps": steps, "variant": variant})[0]
 
     def memory(self) -> list[dict[str, Any]]:
         return self._ask_all({"cmd": "memory"})
@@ -486,10 +505,11 @@ def run_config(args: argparse.Namespace, name: str, gpus: int, gpu: bool) -> dic
         print(f"both arms warm in {time.time() - t0:.1f}s", flush=True)
 
         first = cluster.pods[pods[0]][0]
+        arms = ["plain", "worker", *(["worker-step"] if args.decompose else [])]
         for r in range(args.rounds):
-            for arm in ("plain", "worker") if r % 2 == 0 else ("worker", "plain"):
-                if arm == "plain":
-                    got = plain.window(args.warmup, args.steps)
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                if arm != "worker":
+                    got = plain.window(args.warmup, args.steps, arm)
                     ends = [got["start"], *got["ends"]]
                     total = got["end"] - got["start"]
                     internal: list[float] = []
@@ -515,7 +535,7 @@ def run_config(args: argparse.Namespace, name: str, gpus: int, gpu: bool) -> dic
                     row["worker_reported_step_s"] = internal
                 windows.append(row)
                 print(
-                    f"round {r} {arm:6s}: mean {row['mean_s']:.4f}s p50 {row['p50_s']:.4f}s "
+                    f"round {r} {arm:11s}: mean {row['mean_s']:.4f}s p50 {row['p50_s']:.4f}s "
                     f"({tokens_per_step / row['mean_s']:,.0f} tokens/s)",
                     flush=True,
                 )
@@ -548,7 +568,7 @@ def summarize(
     worker_loss: float,
 ) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {}
-    for arm in ("plain", "worker"):
+    for arm in dict.fromkeys(w["arm"] for w in windows):
         rows = [w for w in windows if w["arm"] == arm]
         mean = statistics.fmean(r["mean_s"] for r in rows)
         every = [s for r in rows for s in r["step_s"]]
@@ -563,7 +583,7 @@ def summarize(
     overhead = (worker["mean_s"] / plain["mean_s"] - 1) * 100
     overhead_p50 = (worker["p50_s"] / plain["p50_s"] - 1) * 100
     # The spread between windows of one arm: an overhead below it is noise.
-    spread = max((max(a["window_means_s"]) - min(a["window_means_s"])) / a["mean_s"] * 100 for a in (plain, worker))
+    spread = max((max(a["window_means_s"]) - min(a["window_means_s"])) / a["mean_s"] * 100 for a in arms.values())
     gib = 1 << 30
     mem = {
         "max_allocated_gib": max((m.get("max_allocated_bytes", 0) for m in memory), default=0) / gib,
@@ -588,8 +608,7 @@ def summarize(
         },
         "training": spec.training.to_wire(),
         "tokens_per_step": tokens_per_step,
-        "plain": plain,
-        "worker": worker,
+        **arms,
         "overhead_pct": overhead,
         "overhead_p50_pct": overhead_p50,
         "window_spread_pct": spread,
@@ -600,10 +619,12 @@ def summarize(
     }
     params = f"{summary['parameters'] / 1e9:.2f} B" if summary["parameters"] else "?"
     print(f"-- {name} on {gpus} x {summary['device']}: {params} parameters", flush=True)
-    for arm in ("plain", "worker"):
-        a = arms[arm]
+    if "worker-step" in arms:
+        # The worker's step function alone, in the plain process: what is left is the process.
+        summary["worker_step_overhead_pct"] = (arms["worker-step"]["mean_s"] / plain["mean_s"] - 1) * 100
+    for arm, a in arms.items():
         print(
-            f"   {arm:6s}: step mean {a['mean_s']:.4f}s p50 {a['p50_s']:.4f}s, {a['tokens_per_s']:,.0f} tokens/s "
+            f"   {arm:11s}: step mean {a['mean_s']:.4f}s p50 {a['p50_s']:.4f}s, {a['tokens_per_s']:,.0f} tokens/s "
             f"({a['tokens_per_s_per_gpu']:,.0f} per GPU); windows "
             + " / ".join(f"{v:.4f}" for v in a["window_means_s"]),
             flush=True,
@@ -614,6 +635,12 @@ def summarize(
         f"{spread:.2f} %; {verdict} the {TARGET_OVERHEAD_PCT:.0f} % target",
         flush=True,
     )
+    if "worker_step_overhead_pct" in summary:
+        print(
+            f"   of which the worker's step function {summary['worker_step_overhead_pct']:+.2f} % "
+            "(in the plain process), the rest the worker process around it",
+            flush=True,
+        )
     if mem["max_allocated_gib"]:
         print(
             f"   memory per GPU (plain loop): peak allocated {mem['max_allocated_gib']:.1f} GiB, peak reserved "
@@ -653,6 +680,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternations; each trains a window per arm")
     parser.add_argument("--warmup", type=int, default=5, help="uncounted steps at the start of each window")
     parser.add_argument("--steps", type=int, default=20, help="measured steps per window")
+    parser.add_argument(
+        "--decompose",
+        action="store_true",
+        help="a third arm: the worker's step function (worker/step.py) run by the plain process",
+    )
     parser.add_argument("--global-batch", type=int, default=None, help="default 4 micro-batches per GPU")
     parser.add_argument("--layers", type=int, default=None, help="default 20 (or the preset's)")
     parser.add_argument("--hidden", type=int, default=None, help="default 2048 (or the preset's)")
