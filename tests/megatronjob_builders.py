@@ -181,6 +181,130 @@ BAD_JOBS: tuple[BadJob, ...] = (
         "spec.training.lrSchedule.wsdDecaySteps is required with decayStyle WSD",
     ),
     BadJob("min-lr-above-lr", {"training.lrSchedule.minLr": 0.01}, "spec.training.lrSchedule.minLr must not exceed"),
+    # spec.template and the fields it shares with the shorthands (pod_template.TEMPLATE_RULES).
+    BadJob(
+        "template-restart-policy",
+        {"template": {"spec": {"restartPolicy": "OnFailure"}}},
+        "spec.template.spec.restartPolicy must be Never",
+    ),
+    BadJob(
+        "template-token-automount",
+        {"template": {"spec": {"automountServiceAccountToken": True}}},
+        "spec.template.spec.automountServiceAccountToken must be false",
+    ),
+    BadJob("template-hostname", {"template": {"spec": {"hostname": "h"}}}, "spec.template.spec.hostname"),
+    BadJob(
+        "template-sidecar-on-the-agent-port",
+        {"template": {"spec": {"containers": [
+            {"name": "proxy", "image": "envoy", "ports": [{"containerPort": 29400}]}]}}},
+        "spec.template.spec.containers[].ports must not use 29400 or 29401",
+    ),
+    BadJob(
+        "template-init-container-on-the-rendezvous-port",
+        {"template": {"spec": {"initContainers": [{"name": "i", "image": "b", "ports": [{"containerPort": 29401}]}]}}},
+        "spec.template.spec.containers[].ports must not use 29400 or 29401",
+    ),
+    BadJob(
+        "template-trainer-port-named-agent",
+        {"template": {"spec": {"containers": [
+            {"name": "trainer", "ports": [{"name": "agent", "containerPort": 80}]}]}}},
+        "spec.template.spec.containers[].ports must not use 29400 or 29401",
+    ),
+    BadJob(
+        "template-trainer-image",
+        {"template": {"spec": {"containers": [{"name": "trainer", "image": "other:1"}]}}},
+        "spec.template.spec.containers[trainer].image must equal spec.image",
+    ),
+    BadJob(
+        "template-trainer-command",
+        {"template": {"spec": {"containers": [{"name": "trainer", "command": ["sh"]}]}}},
+        "spec.template.spec.containers[trainer].command must equal spec.command",
+    ),
+    BadJob(
+        "template-trainer-args",
+        {"template": {"spec": {"containers": [{"name": "trainer", "args": ["--x"]}]}}},
+        "spec.template.spec.containers[trainer].args must equal spec.args",
+    ),
+    BadJob(
+        "template-gpus-contradict-gpus-per-pod",
+        {"resources": DELETE,
+         "template": {"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}}},
+        "spec.template.spec.containers[trainer].resources[nvidia.com/gpu] must equal spec.gpusPerPod",
+    ),
+    BadJob(
+        "template-sidecar-with-gpus",
+        {"template": {"spec": {"containers": [{"name": "s", "image": "s", "resources": {"requests": {
+            "nvidia.com/gpu": 1}}}]}}},
+        "only the trainer container gets nvidia.com/gpu",
+    ),
+    BadJob(
+        "template-operator-variable",
+        {"env": DELETE, "template": {"spec": {"containers": [{"name": "trainer", "env": [
+            {"name": "MEGATRON_JOB_TOKEN", "value": "x"}]}]}}},
+        "spec.template.spec.containers[trainer].env must not set the operator's variables",
+    ),
+    BadJob(
+        "env-operator-variable",
+        {"env": [{"name": "MEGATRON_POD_IP", "value": "1.2.3.4"}]},
+        "spec.env must not set the operator's variables",
+    ),
+    BadJob(
+        "template-operator-label",
+        {"template": {"metadata": {"labels": {"megatron.dev/role": "worker"}}}},
+        "spec.template.metadata.labels must not use the megatron.dev/ prefix",
+    ),
+    BadJob("template-metadata-name", {"template": {"metadata": {"name": "pod"}}}, "spec.template.metadata.name"),
+    BadJob(
+        "template-operator-volume",
+        {"template": {"spec": {"volumes": [{"name": "megatron-shm", "emptyDir": {}}]}}},
+        "spec.template.spec.volumes[].name must not start with megatron-",
+    ),
+    BadJob(
+        "shm-size-and-own-shm",
+        {"shmSize": "8Gi", "template": {"spec": {"containers": [{"name": "trainer", "volumeMounts": [
+            {"name": "shm", "mountPath": "/dev/shm"}]}]}}},
+        "spec.shmSize sizes the operator's /dev/shm",
+    ),
+    BadJob("shm-size-lots", {"shmSize": "lots"}, "spec.shmSize"),
+    BadJob(
+        "template-mount-on-the-checkpoint-path",
+        {"checkpoint.volumeClaimName": "ckpt", "template": {"spec": {"containers": [
+            {"name": "trainer", "volumeMounts": [{"name": "other", "mountPath": "/checkpoints/gpt-demo"}]}]}}},
+        "spec.template.spec.containers[trainer].volumeMounts mounts spec.checkpoint.path",
+    ),
+    BadJob(
+        "resources-twice",  # the example sets spec.resources
+        {"template": {"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"rdma/ib": 1}}}]}}},
+        "spec.resources and spec.template.spec.containers[trainer].resources are both set",
+    ),
+    BadJob(
+        "env-twice",
+        {"env": [{"name": "A", "value": "1"}], "template": {"spec": {"containers": [{"name": "trainer", "env": [
+            {"name": "B", "value": "2"}]}]}}},
+        "spec.env and spec.template.spec.containers[trainer].env are both set",
+    ),
+    BadJob(
+        "pull-policy-twice",
+        {"imagePullPolicy": "Always",
+         "template": {"spec": {"containers": [{"name": "trainer", "imagePullPolicy": "Always"}]}}},
+        "spec.imagePullPolicy and spec.template.spec.containers[trainer].imagePullPolicy are both set",
+    ),
+    BadJob(
+        "node-selector-twice",
+        {"nodeSelector": {"a": "b"}, "template": {"spec": {"nodeSelector": {"a": "b"}}}},
+        "spec.nodeSelector and spec.template.spec.nodeSelector are both set",
+    ),
+    BadJob(
+        "tolerations-twice",
+        {"tolerations": [{"operator": "Exists"}], "template": {"spec": {"tolerations": [{"operator": "Exists"}]}}},
+        "spec.tolerations and spec.template.spec.tolerations are both set",
+    ),
+    BadJob("failure-domain-not-a-label", {"failureDomain.topologyKey": "a rack"}, "spec.failureDomain.topologyKey"),
+    BadJob(
+        "failure-domain-unknown-policy",
+        {"failureDomain.whenUnsatisfiable": "Sometimes"},
+        "spec.failureDomain.whenUnsatisfiable",
+    ),
     BadJob(
         "pod-splits-replicas-unevenly",
         {"gpusPerPod": 8, "replicas": 6, "minReplicas": 2},

@@ -7,7 +7,9 @@ Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0
 ``$ref`` is inlined, ``Optional`` collapses to the inner type, ``int | str`` becomes
 ``x-kubernetes-int-or-string`` (keeping the string's pattern and the integer's minimum), numeric
 exclusive bounds take their v3.0 form, and ``additionalProperties: false`` is dropped (the API
-server prunes and, with kubectl's strict field validation, rejects unknown fields instead).
+server prunes and, with kubectl's strict field validation, rejects unknown fields instead), while
+``additionalProperties: true`` (an open part of a pod template) becomes
+``x-kubernetes-preserve-unknown-fields``.
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         types = sorted(o.get("type", "") for o in options)
         if types == ["integer", "string"]:
             node["x-kubernetes-int-or-string"] = True
-            # Each option's own bounds apply to values of its type only (a pattern to strings, a
-            # minimum to integers), so they can sit side by side on the int-or-string node.
+            # Each option's own bounds apply to values of its type only (a pattern and a length to
+            # strings, a minimum to integers), so they can sit side by side on the int-or-string node.
             for option in options:
-                node.update({k: v for k, v in option.items() if k in ("pattern", "minimum")})
+                node.update({k: v for k, v in option.items() if k in ("pattern", "maxLength", "minimum")})
         elif len(options) == 1:
             node = {**options[0], **node}
             if "$ref" in node:
@@ -86,6 +88,11 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             node[bound] = True
     if node.get("additionalProperties") is False:
         del node["additionalProperties"]
+    elif node.get("additionalProperties") is True:
+        # An open object (a part of a pod template, a toleration): the fields it types are checked,
+        # the others kept as given for the API server to check when the pod is created.
+        del node["additionalProperties"]
+        node["x-kubernetes-preserve-unknown-fields"] = True
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROP_KEYS:

@@ -7,19 +7,19 @@ parses a job, so a job that slipped past an old CRD still fails with the same me
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import re
-from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel, to_snake
 
 from megatron_contract.base import WireModel
 from megatron_contract.mesh import MeshPlan
+from megatron_contract.pod_template import GPU_RESOURCE, QUANTITY_PATTERN, TEMPLATE_RULES, PodTemplate, Quantity
 from megatron_contract.presets import PRESETS, ModelPreset
+from megatron_contract.rules import SpecRule
 
 
 def _immutable(name: str) -> dict[str, Any]:
@@ -253,7 +253,9 @@ class TrainingSpec(WireModel):
 class CheckpointSpec(WireModel):
     """Periodic distributed checkpoints, the fallback when no peer holds a rank's state."""
 
-    path: str = Field(min_length=1, description="Directory (a mounted PVC or bucket path) for checkpoints.")
+    path: str = Field(
+        min_length=1, max_length=4096, description="Directory (a mounted PVC or bucket path) for checkpoints."
+    )
     interval_steps: int = Field(default=100, ge=1, description="Save every this many steps.")
     volume_claim_name: str | None = Field(default=None, description="PVC mounted at path in every pod.")
     keep: int = Field(
@@ -296,6 +298,34 @@ class FailureDetectionSpec(WireModel):
         return self
 
 
+#: A node label key (an optional DNS prefix and a name), as Kubernetes validates label keys.
+LABEL_KEY_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+
+
+class FailureDomainSpec(WireModel):
+    """Failure domains: what one failure may take down at once. Pods are spread over them, and a
+    failed pod is replaced by a spare from another one when a spare there is ready.
+
+    A node (``kubernetes.io/hostname``) is always a failure domain; ``topologyKey`` names a larger
+    one (a rack, a switch, a zone) by the node label that tells them apart.
+    """
+
+    topology_key: str | None = Field(
+        default=None,
+        max_length=317,
+        pattern=LABEL_KEY_PATTERN,
+        description="Node label of a failure domain larger than a node (topology.kubernetes.io/zone, a rack "
+        "label); pods spread over its values as over nodes. Only nodes when unset.",
+    )
+    when_unsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = Field(
+        default="ScheduleAnyway",
+        description="When pods cannot be spread evenly (maxSkew 1): ScheduleAnyway (spreading is a preference) "
+        "or DoNotSchedule (a pod waits Pending rather than share a domain unevenly).",
+    )
+
+
 class EnvVar(WireModel):
     """An environment variable for the trainer container."""
 
@@ -315,29 +345,11 @@ class Toleration(WireModel):
     toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: how long to stay.")
 
 
-#: A non-negative Kubernetes quantity ("500m", "16Gi", "1.5", "2e3"): the API server checks it
-#: when the job is created, not when the operator's pod create is refused half an hour later.
-QUANTITY_PATTERN = (
-    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
-Quantity = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=QUANTITY_PATTERN)]
-GPU_RESOURCE = "nvidia.com/gpu"
-
-
 class Resources(WireModel):
     """Container resources per pod; ``nvidia.com/gpu`` is set from gpusPerPod (given here, it must match)."""
 
     requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests (cpu, memory, ...).")
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecRule:
-    """A cross-field rule of the spec, in CEL for the API server and in Python for the operator."""
-
-    cel: str
-    message: str
-    check: Callable[[MegatronJobSpec], bool]
 
 
 _m = model_field_cel
@@ -485,6 +497,7 @@ SPEC_RULES: tuple[SpecRule, ...] = (
     ),
     _gpu_rule("requests"),
     _gpu_rule("limits"),
+    *TEMPLATE_RULES,
 )
 
 #: The job's name labels every child (a label value: at most 63 characters) and names its headless
@@ -503,11 +516,16 @@ class MegatronJobSpec(WireModel):
 
     image: str = Field(min_length=1, description="Trainer image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
-        default=None, description="Image pull policy of trainer pods."
+        default=None,
+        description="Image pull policy of the trainer container (shorthand for the template's trainer container).",
     )
     command: list[str] | None = Field(default=None, description="Container command; the image's entrypoint when unset.")
     args: list[str] = Field(default_factory=list, description="Extra arguments for the trainer.")
-    env: list[EnvVar] = Field(default_factory=list, max_length=256, description="Extra environment variables.")
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Extra environment variables of the trainer container (shorthand for the template's).",
+    )
     model: ModelSpec = Field(
         default_factory=ModelSpec,
         description="The model: a preset and/or TransformerConfig settings.",
@@ -527,12 +545,32 @@ class MegatronJobSpec(WireModel):
         default=1, ge=1, le=65536, description="Smallest data-parallel size the job may shrink to."
     )
     spares: int = Field(default=0, ge=0, le=4096, description="Hot-spare pods kept warm to replace failed ones.")
-    resources: Resources = Field(default_factory=Resources, description="Per-pod resources besides GPUs.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of trainer pods.")
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="Resources of the trainer container besides GPUs (shorthand for the template's).",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node selector of trainer pods (shorthand for the template's)."
+    )
     tolerations: list[Toleration] = Field(
-        default_factory=list, max_length=64, description="Tolerations of trainer pods."
+        default_factory=list, max_length=64, description="Tolerations of trainer pods (shorthand for the template's)."
     )
     checkpoint: CheckpointSpec | None = Field(default=None, description="Distributed checkpoints.")
+    template: PodTemplate | None = Field(
+        default=None,
+        description="A PodTemplateSpec for the job's pods (volumes, env, RDMA resources, sidecars, affinity, "
+        "priorityClassName, schedulerName, securityContext, labels, annotations, ...), merged with what the "
+        "operator owns; a container named trainer is merged into the trainer container.",
+    )
+    shm_size: str | None = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="Size limit of the memory-backed /dev/shm of trainer pods (NCCL and data loaders use it; "
+        "it counts against the pod's memory); unset, only the pod's memory limit bounds it.",
+    )
+    failure_domain: FailureDomainSpec = Field(
+        default_factory=FailureDomainSpec, description="Failure domains pods are spread over."
+    )
     max_recoveries: int = Field(
         default=100, ge=0, le=100000, description="Recoveries after which the job fails instead of recovering again."
     )

@@ -53,6 +53,25 @@ ENV_OPERATOR_URL = "MEGATRON_OPERATOR_URL"
 ENV_GPUS_PER_POD = "MEGATRON_GPUS_PER_POD"
 ENV_JOB_SPEC = "MEGATRON_JOB_SPEC"  # the whole MegatronJobSpec as JSON: spec.to_wire()
 ENV_HEARTBEAT_INTERVAL = "MEGATRON_HEARTBEAT_INTERVAL_SECONDS"
+#: Every variable above: the operator owns them, a job may not set them (spec.env, spec.template).
+OPERATOR_ENV = (
+    ENV_JOB_NAME,
+    ENV_JOB_NAMESPACE,
+    ENV_JOB_UID,
+    ENV_JOB_TOKEN,
+    ENV_POD_NAME,
+    ENV_POD_IP,
+    ENV_POD_ROLE,
+    ENV_OPERATOR_URL,
+    ENV_GPUS_PER_POD,
+    ENV_JOB_SPEC,
+    ENV_HEARTBEAT_INTERVAL,
+)
+
+# Trainer pods: the container the operator builds (a container of spec.template by this name is
+# merged into it), and the node label every node carries, the smallest failure domain.
+TRAINER_CONTAINER = "trainer"
+HOSTNAME_TOPOLOGY_KEY = "kubernetes.io/hostname"
 
 # Every agent hosts a TCPStore server on RENDEZVOUS_PORT at its pod address (the agent outlives its
 # workers; a worker must never host the store: it may die, and a TCPStore port cannot be re-bound
