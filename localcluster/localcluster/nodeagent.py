@@ -1,6 +1,8 @@
 """The node agent: the slice of kubelet that end-to-end runs need.
 
 Pods that the scheduler binds to this agent's nodes run as local processes: the container's
+(the one ``kubectl.kubernetes.io/default-container`` names, when a pod has sidecars, which are not
+run, nor are init containers; volumes, security contexts and resources are not applied either)
 command and args with its environment (plain values, downward-API ``fieldRef`` and
 ``secretKeyRef`` resolved), a loopback pod IP of its own (``127.P.x.y``, so every pod can bind
 the same ports), status reported as Running, then Succeeded or Failed with the exit code (128+N
@@ -31,6 +33,7 @@ from typing import Any
 from localcluster.api import ApiError, KubeApi
 
 GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
 LOCAL_NODE_LABEL = "megatron.dev/local-node"
 #: The nodes of one NodeAgent share this label's value, so a test can keep its pods on its own nodes.
 NODE_POOL_LABEL = "megatron.dev/node-pool"
@@ -71,6 +74,25 @@ def _now_micro() -> str:
 
 def _log(msg: str) -> None:
     print(f"[nodeagent] {msg}", file=sys.stderr, flush=True)
+
+
+def main_container(pod: dict[str, Any]) -> dict[str, Any]:
+    """The container a process node runs: the one the ``kubectl.kubernetes.io/default-container``
+    annotation names, else the only one. Its sidecars and init containers are not run (their images
+    are nothing here); a pod of several containers that names none cannot run."""
+    containers = pod["spec"]["containers"]
+    wanted = (pod["metadata"].get("annotations") or {}).get(DEFAULT_CONTAINER_ANNOTATION)
+    if wanted is not None:
+        for container in containers:
+            if container["name"] == wanted:
+                return dict(container)
+        raise ValueError(f"the {DEFAULT_CONTAINER_ANNOTATION} annotation names no container: {wanted}")
+    if len(containers) != 1:
+        raise ValueError(
+            f"the local node agent runs one container per pod: name it with the {DEFAULT_CONTAINER_ANNOTATION} "
+            "annotation"
+        )
+    return dict(containers[0])
 
 
 class ContainerConfigError(RuntimeError):
@@ -281,13 +303,10 @@ class NodeAgent:
                     _log(f"retry of {pod['metadata']['name']} failed: {err}")
 
     def _run(self, pod: dict[str, Any]) -> None:
-        meta, spec = pod["metadata"], pod["spec"]
+        meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-        containers = spec["containers"]
         try:
-            if len(containers) != 1:
-                raise ValueError("the local node agent runs pods of exactly one container")
-            container = containers[0]
+            container = main_container(pod)
             argv = [*container.get("command", []), *container.get("args", [])]
             if not argv:
                 raise ValueError("container has no command: the local node agent cannot run an image's entrypoint")
@@ -310,8 +329,8 @@ class NodeAgent:
                     "phase": "Pending",
                     "containerStatuses": [
                         {
-                            "name": containers[0]["name"],
-                            "image": containers[0].get("image", ""),
+                            "name": container["name"],
+                            "image": container.get("image", ""),
                             "imageID": "",
                             "ready": False,
                             "started": False,

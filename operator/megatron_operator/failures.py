@@ -67,6 +67,8 @@ class PodFacts:
         waiting: str | None = None
         restarts = 0
         for cs in status.get("containerStatuses") or []:
+            if cs.get("name", wire.TRAINER_CONTAINER) != wire.TRAINER_CONTAINER:
+                continue  # a sidecar of the template: its exit or restart is not the trainer's
             restarts += int(cs.get("restartCount") or 0)
             term = (cs.get("state") or {}).get("terminated")
             if term is not None:

@@ -1,7 +1,10 @@
 """The node agent runs pods bound to its nodes as real local processes: environment with
 downward-API and Secret values, a loopback pod IP of its own, Running then Succeeded or Failed
 with the exit code (137 for SIGKILL), and the process killed and the pod removed on delete; a pod
-whose Secret is missing waits Pending (CreateContainerConfigError) and runs once it appears."""
+whose Secret is missing waits Pending (CreateContainerConfigError) and runs once it appears; a
+production-shaped pod (a sidecar, an init container, volumes, a security context) runs the container
+``kubectl.kubernetes.io/default-container`` names, and a pod of several containers naming none fails
+saying so."""
 
 from __future__ import annotations
 
@@ -15,7 +18,12 @@ from typing import Any
 import pytest
 
 from localcluster.cluster import LocalCluster
-from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL, NodeAgent
+from localcluster.nodeagent import (
+    DEFAULT_CONTAINER_ANNOTATION,
+    LOCAL_NODE_TOLERATION,
+    NODE_POOL_LABEL,
+    NodeAgent,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -169,3 +177,24 @@ def test_pod_waits_for_its_missing_secret_then_runs(
     create(local_cluster, namespace, secret, "secrets")
     done = wait_pod(local_cluster, namespace, "patient", "Succeeded")
     assert done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+
+def test_the_default_container_of_a_pod_with_sidecars_runs(
+    local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str
+) -> None:
+    pod = make_pod("sidecars", "import os; assert os.environ['PLAIN'] == 'v'")
+    pod["spec"]["containers"][0]["env"] = [{"name": "PLAIN", "value": "v"}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    pod["spec"]["containers"].append({"name": "log-shipper", "image": "fluent-bit", "command": ["false"]})
+    pod["spec"]["initContainers"] = [{"name": "fetch", "image": "busybox", "command": ["false"]}]
+    pod["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    pod["spec"]["securityContext"] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    pod["metadata"]["annotations"] = {DEFAULT_CONTAINER_ANNOTATION: "main"}
+    create(local_cluster, namespace, pod, "pods")
+    done = wait_pod(local_cluster, namespace, "sidecars", "Succeeded")
+    assert [cs["name"] for cs in done["status"]["containerStatuses"]] == ["main"]
+    del pod["metadata"]["annotations"]
+    pod["metadata"]["name"] = "unnamed"
+    create(local_cluster, namespace, pod, "pods")
+    failed = wait_pod(local_cluster, namespace, "unnamed", "Failed")
+    assert DEFAULT_CONTAINER_ANNOTATION in failed["status"]["message"]
