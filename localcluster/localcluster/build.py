@@ -24,6 +24,8 @@ ETCD_VERSION = "v3.5.35"
 KWOK_VERSION = "v0.7.0"
 HELM_VERSION = "v3.21.4"
 HELM_DOCS_VERSION = "v1.14.2"
+#: Prometheus 3.16.0 (its Go module numbers releases v0.3MM.P for 3.MM.P).
+PROMETHEUS_VERSION = "v0.316.0"
 
 #: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
 _STAGING_MODULES = [
@@ -73,6 +75,9 @@ class Component:
     module: str
     version: str
     package: str
+    #: Go build tags. A component built with tags skips ``go mod tidy``, which resolves the
+    #: modules of every tag combination, including code the tags leave out.
+    tags: tuple[str, ...] = ()
 
     def ldflags(self) -> str:
         """Strip symbols; stamp k8s binaries with their version (a module build leaves v0.0.0,
@@ -87,6 +92,10 @@ class Component:
                     f"-X {pkg}.gitMinor={minor}",
                     f"-X {pkg}.gitTreeState=clean",
                 ]
+        if self.module == "github.com/prometheus/prometheus":
+            major_minor_patch = self.version.removeprefix("v0.")
+            release = f"{int(major_minor_patch[0])}.{int(major_minor_patch[1:3])}.{major_minor_patch.split('.')[1]}"
+            flags.append(f"-X github.com/prometheus/common/version.Version={release}")
         return " ".join(flags)
 
     def go_mod(self) -> str:
@@ -114,7 +123,24 @@ HELM = Component("helm", "helm.sh/helm/v3", HELM_VERSION, "helm.sh/helm/v3/cmd/h
 HELM_DOCS = Component(
     "helm-docs", "github.com/norwoodj/helm-docs", HELM_DOCS_VERSION, "github.com/norwoodj/helm-docs/cmd/helm-docs"
 )
-ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM, HELM_DOCS)}
+# The local cluster's Prometheus and promtool (localcluster/prometheus.py): service discovery for
+# Kubernetes only, as the other mechanisms pull in dozens of cloud SDKs (and one module the proxy lacks).
+_PROMETHEUS_TAGS = ("remove_all_sd", "enable_kubernetes_sd")
+PROMETHEUS = Component(
+    "prometheus",
+    "github.com/prometheus/prometheus",
+    PROMETHEUS_VERSION,
+    "github.com/prometheus/prometheus/cmd/prometheus",
+    _PROMETHEUS_TAGS,
+)
+PROMTOOL = Component(
+    "promtool",
+    "github.com/prometheus/prometheus",
+    PROMETHEUS_VERSION,
+    "github.com/prometheus/prometheus/cmd/promtool",
+    _PROMETHEUS_TAGS,
+)
+ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM, HELM_DOCS, PROMETHEUS, PROMTOOL)}
 
 
 def cache_dir() -> Path:
@@ -149,13 +175,12 @@ def build(component: Component) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
-    steps = [
-        ("resolving modules", [go, "mod", "tidy"]),
-        (
-            "compiling",
-            [go, "build", "-trimpath", f"-ldflags={component.ldflags()}", "-o", str(partial), component.package],
-        ),
-    ]
+    compile_cmd = [go, "build", "-trimpath", f"-ldflags={component.ldflags()}", "-o", str(partial)]
+    if component.tags:
+        compile_cmd.append("-tags=" + ",".join(component.tags))
+    steps = [("compiling", [*compile_cmd, component.package])]
+    if not component.tags:
+        steps.insert(0, ("resolving modules", [go, "mod", "tidy"]))
     for what, cmd in steps:
         _log(f"{component.name} {component.version}: {what} (first run only; minutes on 2 cores)")
         _run_with_progress(cmd, work, env, component.name)
@@ -184,7 +209,8 @@ def _run_with_progress(cmd: list[str], cwd: Path, env: dict[str, str], name: str
 
 
 def build_all(names: list[str] | None = None) -> dict[str, Path]:
-    """Build (or find cached) every named component; all of them (control plane, kwok, helm, helm-docs) by default."""
+    """Build (or find cached) every named component; all of them (control plane, kwok, helm, helm-docs,
+    prometheus, promtool) by default."""
     unknown = sorted(set(names or ()) - set(ALL))
     if unknown:
         raise BuildError(f"unknown component(s) {', '.join(unknown)}; known: {', '.join(ALL)}")

@@ -34,12 +34,15 @@ def token_key_file(workdir: Path) -> Path:
 
 
 @contextmanager
-def running_operator(cluster: LocalCluster, namespaces: str, log: Path, port: int | None = None) -> Iterator[str]:
+def running_operator(
+    cluster: LocalCluster, namespaces: str, log: Path, port: int | None = None, metrics_port: int | None = None
+) -> Iterator[str]:
     """Run the operator for ``namespaces`` (comma-separated; all when empty), its output in ``log``.
 
     Yields the URL that trainer agents report to (``port`` on loopback, a free one by default: an
     operator restarted under the pods of a job must use the one they know, as a Service would).
-    Leader election is off: there is one replica.
+    Leader election is off: there is one replica. With ``metrics_port`` it serves its Prometheus
+    metrics there (on every address, as in a pod; see :func:`localcluster.prometheus.expose_operator`).
     """
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -53,6 +56,8 @@ def running_operator(cluster: LocalCluster, namespaces: str, log: Path, port: in
         "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
         "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(cluster.workdir)),
     }
+    if metrics_port is not None:
+        env["MEGATRON_OPERATOR_METRICS_PORT"] = str(metrics_port)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         proc = subprocess.Popen(

@@ -111,7 +111,7 @@ class JobController:
         self.settling = True  # until every running pod reported (or a few heartbeat intervals passed)
         self.status = self._read_status(body)
         self.done = False
-        self._labels = {"namespace": job.namespace, "job": job.name}
+        self._labels = metrics.job_labels(job.namespace, job.name)
         # Children (see children.py): the key the token is derived from, a backoff per kind of child,
         # the pods created and not yet started, when the Secret and Service were last applied.
         self.token_key = token_key

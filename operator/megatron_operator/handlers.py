@@ -15,6 +15,7 @@ import kopf
 
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
+from megatron_operator import metrics
 from megatron_operator.builders import JobRef
 from megatron_operator.controller import JobController
 from megatron_operator.failures import PodFacts, node_ready_status
@@ -166,10 +167,12 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
     )
     REGISTRY.by_uid[job.uid] = ctl
     REGISTRY.by_key[key] = ctl
+    metrics.start_job(*key)
     try:
         await ctl.run(stopped)
     finally:
         REGISTRY.by_uid.pop(job.uid, None)
         if REGISTRY.by_key.get(key) is ctl:
             REGISTRY.by_key.pop(key, None)
+            metrics.forget_job(*key)
         REGISTRY.book.forget(job.uid)

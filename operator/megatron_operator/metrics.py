@@ -1,10 +1,26 @@
-"""Prometheus metrics of the operator (served when MEGATRON_OPERATOR_METRICS_PORT is set)."""
+"""Prometheus metrics of the operator (served when MEGATRON_OPERATOR_METRICS_PORT is set).
+
+A job's series carry ``megatronjob_namespace`` and ``megatronjob``, not ``namespace`` and ``job``:
+Prometheus sets those two on every series from the scrape target (the operator's own namespace and
+scrape job), which would overwrite ours. The chart's PodMonitor gives the trainer agents' series
+the same two labels, so one selector picks a job's series from both sources.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-JOB_LABELS = ("namespace", "job")
+from megatron_contract.job import JobPhase
+from megatron_contract.mesh import PlanReason
+from megatron_operator.failures import FailureReason
+
+JOB_LABELS = ("megatronjob_namespace", "megatronjob")
+
+
+def job_labels(namespace: str, name: str) -> dict[str, str]:
+    """The label values that identify a MegatronJob's series."""
+    return dict(zip(JOB_LABELS, (namespace, name), strict=True))
+
 
 FAILURES = Counter("megatron_operator_pod_failures_total", "Pods declared failed, by reason.", [*JOB_LABELS, "reason"])
 PLANS = Counter("megatron_operator_plans_total", "Plans made, by reason.", [*JOB_LABELS, "reason"])
@@ -31,3 +47,29 @@ ACCUSATIONS_IGNORED = Counter(
     "Failed-peer reports not acted on: implausible or not corroborated.",
     JOB_LABELS,
 )
+
+
+#: Series labelled by the job alone, and all of a job's series.
+_JOB_ONLY = (RECOVERY_SECONDS, PUSH_SECONDS, EPOCH, DP, SPARES_READY, READY_WORKERS, REPORTS, ACCUSATIONS_IGNORED)
+_PER_JOB = (*_JOB_ONLY, FAILURES, PLANS, PHASE)
+
+
+def start_job(namespace: str, name: str) -> None:
+    """Create a job's series at zero for every known label value, so rates, panels and alerts see
+    them before the first event (a counter with labels has no series until its first increment)."""
+    labels = job_labels(namespace, name)
+    for reason in FailureReason:
+        FAILURES.labels(**labels, reason=reason.value)
+    for plan_reason in PlanReason:
+        PLANS.labels(**labels, reason=plan_reason.value)
+    for phase in JobPhase:
+        PHASE.labels(**labels, phase=phase.value)
+    for metric in _JOB_ONLY:
+        metric.labels(**labels)
+
+
+def forget_job(namespace: str, name: str) -> None:
+    """Drop every series of a job this replica no longer runs (deleted, or another replica leads)."""
+    labels = job_labels(namespace, name)
+    for metric in _PER_JOB:
+        metric.remove_by_labels(labels)

@@ -101,7 +101,7 @@ def test_monitoring_objects_only_when_enabled(helm: Path) -> None:
     alerts = [r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]]
     assert (
         "MegatronJobFailed" in alerts
-        and "$labels.job" in rule["spec"]["groups"][0]["rules"][0]["annotations"]["summary"]
+        and "$labels.megatronjob" in rule["spec"]["groups"][0]["rules"][0]["annotations"]["summary"]
     )
 
 

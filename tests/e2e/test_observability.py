@@ -1,0 +1,114 @@
+"""End to end, observed by a real Prometheus: Prometheus (built from its Go module) discovers the
+operator and every trainer agent through Kubernetes service discovery against the local API server,
+configured from the chart's own ServiceMonitor, PodMonitor and PrometheusRule. A job trains, a
+worker is SIGKILLed, the spare takes over; then every panel of the chart's Grafana dashboard is
+evaluated with its own PromQL and must return data without error, the series must be keyed on the
+MegatronJob (not on the operator's scrape target), the alert rules must load, and the dashboard
+renders to a PNG."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from e2e_support import dump, job_status, make_elastic_job, wait_for
+
+from localcluster import dashboard
+from localcluster.cluster import LocalCluster, free_port
+from localcluster.nodeagent import NodeAgent
+from localcluster.operator_run import running_operator
+from localcluster.prometheus import RELEASE, LocalPrometheus, expose_operator, render_chart
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+NAME = "observed"
+
+
+@pytest.fixture(scope="module")
+def process_nodes(local_cluster: LocalCluster) -> NodeAgent:
+    return local_cluster.add_process_nodes(3, gpus_per_node=1, prefix="obs")
+
+
+def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
+    local_cluster: LocalCluster, process_nodes: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "operator.log"
+    docs = render_chart()
+    metrics_port, report_port = free_port(), free_port()
+
+    def show() -> str:
+        return dump(local_cluster, namespace, log)
+
+    with (
+        LocalPrometheus(local_cluster, tmp_path / "prometheus", docs) as prom,
+        running_operator(local_cluster, namespace, log, report_port, metrics_port=metrics_port),
+    ):
+        expose_operator(local_cluster, docs, {"metrics": metrics_port, "reports": report_port})
+        start = time.time()
+        code, body = local_cluster.request(
+            "POST",
+            f"/apis/megatron.dev/v1alpha1/namespaces/{namespace}/megatronjobs",
+            make_elastic_job(NAME, pool="obs", train_iters=2000),
+        )
+        assert code == 201, body
+        status = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, NAME)).get("step", 0) >= 5 and s, "step 5", 300, show
+        )
+        victim = status["plan"]["members"][0]["pod"]
+        process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
+        recovered = wait_for(
+            lambda: (s := job_status(local_cluster, namespace, NAME)).get("epoch", 0) >= 2
+            and s.get("lastRecoveryDurationSeconds") is not None
+            and s,
+            "the recovery",
+            180,
+            show,
+        )
+        # A few scrapes after the recovery: the recovery histogram and the new members' steps.
+        wait_for(
+            lambda: prom.query(f'megatron_operator_recovery_seconds_count{{megatronjob="{NAME}"}} > 0'),
+            "Prometheus to scrape the recovery",
+            60,
+            show,
+        )
+        resume = recovered["plan"]["resumeStep"]
+        wait_for(
+            lambda: prom.query(f'min(megatron_agent_step{{megatronjob="{NAME}", role="worker"}}) >= {resume + 3}'),
+            "every worker's steps after the recovery in Prometheus",
+            120,
+            show,
+        )
+        time.sleep(3)  # three more scrapes, so the range's last evaluation sees the newest samples
+        end = time.time()
+
+        targets = prom.active_targets()
+        by_pool = {t["scrapePool"] for t in targets if t["health"] == "up"}
+        assert any(p.startswith("serviceMonitor/") for p in by_pool), targets
+        assert any(p.startswith("podMonitor/") for p in by_pool), targets
+
+        # Operator series: keyed on the job; Prometheus' own job/namespace are the operator's target.
+        [epoch] = prom.query(f'megatron_operator_plan_epoch{{megatronjob="{NAME}"}}')
+        assert epoch["metric"]["megatronjob_namespace"] == namespace
+        assert epoch["metric"]["job"] == RELEASE and epoch["metric"]["namespace"] != namespace
+        assert float(epoch["value"][1]) >= 2
+        # Agent series: the same two labels, from the PodMonitor's relabelling.
+        agent_steps = prom.query(f'megatron_agent_step{{megatronjob="{NAME}", megatronjob_namespace="{namespace}"}}')
+        assert {s["metric"]["role"] for s in agent_steps} >= {"worker"}, agent_steps
+        assert all(s["metric"]["namespace"] == namespace for s in agent_steps)
+
+        rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+        assert len(rules) == 4 and all(r["health"] == "ok" for r in rules), rules
+
+        panels = dashboard.evaluate(prom, start, end, namespace=namespace, job=NAME)
+        queried = [p for p in panels if p.type != "row"]
+        assert len(queried) == 12, [p.title for p in panels]
+        problems = [problem for p in queried for problem in p.problems]
+        assert not problems, "\n".join(problems)
+        for panel in queried:
+            for q in panel.queries:
+                assert any(math.isfinite(v) for s in q.series for v in s.values), f"{panel.title}: {q.expr}: only NaN"
+        png = dashboard.render(panels, tmp_path / "dashboard.png", f"{namespace}/{NAME}", start)
+        assert png.stat().st_size > 50_000
