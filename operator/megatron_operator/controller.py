@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,7 +35,7 @@ from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.heartbeats import HeartbeatBook
-from megatron_operator.planner import Outcome
+from megatron_operator.planner import Outcome, Placement
 from megatron_operator.push import PlanPusher, PushOutcome
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
@@ -84,6 +84,7 @@ class JobController:
         pods_of: Callable[[], list[PodFacts]],
         nodes: Callable[[], dict[str, str]],
         token_key: bytes | None = None,
+        node_labels: Callable[[str], Mapping[str, str]] | None = None,
     ) -> None:
         self.job = job
         self.body = body  # kopf's live view of the job
@@ -92,6 +93,11 @@ class JobController:
         self.pusher = pusher
         self.pods_of = pods_of
         self.nodes = nodes
+        self.node_labels = node_labels or (lambda _: {})
+        # Where the job's pods run (node, failure domain), kept a while after a pod is gone: a failed
+        # pod's replacement is taken from another domain (planner.py).
+        self.node_of: dict[str, str] = {}
+        self.placement: dict[str, Placement] = {}
         self.wake = asyncio.Event()
         self.token: str | None = None
         self.failed: dict[str, Failure] = {}
@@ -256,11 +262,12 @@ class JobController:
                      self.job.namespace, self.job.name, fresh_age)
         self.settling = settling
         nodes = self.nodes()
+        self._place(spec, pods, members)
         a = assess(spec, self.job.uid, self.status, pods, nodes, signals, self.failed,
                    self.expected, checkpoint_step=self._checkpoint_step(), retired=self.retired,
                    start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
                    settling=settling, partition_hold=mono < self.partition_until,
-                   recently_down=self._recently_down(nodes, mono))
+                   recently_down=self._recently_down(nodes, mono), placement=self.placement)
         if a.partition is not None:
             self.partition_until = mono + PARTITION_HOLD_SECONDS
         assessed = time.monotonic()
@@ -369,6 +376,20 @@ class JobController:
         await self._write_status(spec, a, plan, phase, reason, message, recoveries, last_failure, generation, now,
                                  duration=duration, committed_epoch=committed_epoch)
         self._post(events)
+
+    def _place(self, spec: MegatronJobSpec, pods: list[PodFacts], members: list[str]) -> None:
+        """Note where each pod runs; forget pods gone from both the index and the plan in force."""
+        for pod in pods:
+            if pod.node is not None:
+                self.node_of[pod.name] = pod.node
+        keep = {p.name for p in pods} | set(members)
+        self.node_of = {name: node for name, node in self.node_of.items() if name in keep}
+        # A node's domain is read now, not when the pod was seen: labels change (a node moved).
+        key = spec.failure_domain.topology_key
+        self.placement = {
+            name: Placement(node, self.node_labels(node).get(key) if key else None)
+            for name, node in self.node_of.items()
+        }
 
     def _recently_down(self, nodes: dict[str, str], mono: float) -> set[str]:
         """Nodes NotReady for less than NODE_NOT_READY_GRACE_SECONDS (as this controller saw them):

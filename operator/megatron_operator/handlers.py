@@ -39,6 +39,7 @@ class Registry:
         self.by_key: dict[tuple[str, str], JobController] = {}
         self.pods_index: Any = None
         self.nodes_index: Any = None
+        self.node_labels_index: Any = None
         self.runner: Any = None
 
     # ReportSink
@@ -57,6 +58,10 @@ class Registry:
             return []
         store = self.pods_index.get((namespace, name))
         return list(store) if store is not None else []
+
+    def labels_of_node(self, name: str) -> Mapping[str, str]:
+        store = self.node_labels_index.get(name) if self.node_labels_index is not None else None
+        return next(iter(store), {}) if store is not None else {}
 
     def node_readiness(self) -> dict[str, str]:
         if self.nodes_index is None:
@@ -128,6 +133,12 @@ def node_readiness(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
     return {name: node_ready_status(body)}
 
 
+@kopf.index("nodes")
+def node_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, dict[str, str]]:
+    """Labels of every node: a job's failure domains are the values of one of them."""
+    return {name: dict(labels)}
+
+
 @kopf.on.event("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
 def pod_event(namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
     REGISTRY.pods_index = kwargs["pods_by_job"]
@@ -144,6 +155,7 @@ def service_event(type: str | None, namespace: str | None, labels: Mapping[str, 
 @kopf.on.event("nodes")
 def node_event(type: str | None, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]
+    REGISTRY.node_labels_index = kwargs["node_labels"]
     if type is not None:  # not the initial listing
         REGISTRY.wake_all()
 
@@ -153,6 +165,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
     """One controller per job, for as long as the job exists."""
     REGISTRY.pods_index = kwargs["pods_by_job"]
     REGISTRY.nodes_index = kwargs["node_readiness"]
+    REGISTRY.node_labels_index = kwargs["node_labels"]
     job = JobRef.of(body)
     key = (job.namespace, job.name)
     ctl = JobController(
@@ -164,6 +177,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
         pods_of=lambda: REGISTRY.pods_of(*key),
         nodes=REGISTRY.node_readiness,
         token_key=REGISTRY.token_key,
+        node_labels=REGISTRY.labels_of_node,
     )
     REGISTRY.by_uid[job.uid] = ctl
     REGISTRY.by_key[key] = ctl

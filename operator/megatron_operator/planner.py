@@ -8,7 +8,8 @@ parallel group never spans pods and a pod never holds part of a dropped replica.
 
 Policy, in order (docs/architecture.md):
 
-1. a pod of the mesh that failed is replaced by a spare, in place: same ranks, same mesh;
+1. a pod of the mesh that failed is replaced by a spare, in place: same ranks, same mesh; a spare
+   outside the failed pod's failure domain (its rack or zone, then its node) first;
 2. with spares exhausted, damaged units are dropped whole and their healthy pods go back to the
    pool, where they may repair another damaged unit;
 3. never below ``minReplicas``: then there is no plan and the job waits (Degraded);
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 
 from megatron_contract.job import MegatronJobSpec
@@ -49,6 +50,15 @@ class PodRef:
     name: str
     uid: str
     address: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a pod runs: its node and the node's failure domain (the value of the job's
+    ``failureDomain.topologyKey`` label), None when not known (never taken for a failed pod's)."""
+
+    node: str | None = None
+    domain: str | None = None
 
 
 class Outcome(enum.StrEnum):
@@ -144,6 +154,7 @@ def plan_mesh(
     previous_trained: bool = True,
     retry: bool = False,
     now: datetime | None = None,
+    placement: Mapping[str, Placement] | None = None,
 ) -> PlanDecision:
     """The next mesh plan.
 
@@ -166,10 +177,14 @@ def plan_mesh(
         retry: every member abandoned the join of ``previous`` and nobody is to blame: a new plan
             (a new epoch, its store on the freshest member) even when no pod was lost.
         now: the plan's creation time.
+        placement: where pods run (or ran), by name, failed ones included: a failed pod's
+            replacement is taken from outside its failure domain, then outside its node, when such
+            a spare is ready.
 
     Returns:
         The decision; its plan, when new, has passed every invariant of :class:`MeshPlan`.
     """
+    placement = placement or {}
     shape = UnitShape.of(spec)
     max_units = shape.units_for(spec.replicas)
     min_units = shape.units_for(spec.min_replicas)
@@ -231,9 +246,13 @@ def plan_mesh(
     keep_damaged = keep_damaged[: max(0, n_units - len(intact))]
     kept_intact = intact[:n_units]
     dropped = [u for u in damaged if u not in keep_damaged]
+    # Spares first, so released pods tend to stay spares; but a pod in a failure domain that just
+    # lost pods (the same node, rack or zone) comes last: what took the lost pod may take it next.
     fillers: list[PodRef] = list(spares)
     fillers.extend(active[n] for u in dropped for n in u if n in survivors)
-    fillers.reverse()  # pop() takes spares first, so released pods tend to stay spares
+    suspect = _suspect_domains(lost, placement)
+    fillers = [p for _, p in sorted(enumerate(fillers), key=lambda ip: (*suspect(ip[1]), ip[0]))]
+    fillers.reverse()  # pop() takes the first
 
     new_units: list[list[PodRef]] = []
     # Kept units stay in their previous order, so dp ranks move as little as possible.
@@ -265,6 +284,21 @@ def plan_mesh(
         + (f"; every member abandoned epoch {previous.epoch}, joining again" if retry and not lost else "")
     )
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
+
+
+def _suspect_domains(
+    lost: Collection[str], placement: Mapping[str, Placement]
+) -> Callable[[PodRef], tuple[bool, bool]]:
+    """How suspect a candidate is, as a sort key: (in a failure domain that lost a pod, on a node
+    that lost one). A larger domain goes first: a rack that lost a node may lose the next."""
+    nodes = {placement[n].node for n in lost if n in placement} - {None}
+    domains = {placement[n].domain for n in lost if n in placement} - {None}
+
+    def key(pod: PodRef) -> tuple[bool, bool]:
+        place = placement.get(pod.name, Placement())
+        return place.domain is not None and place.domain in domains, place.node is not None and place.node in nodes
+
+    return key
 
 
 def _build(

@@ -15,7 +15,7 @@ from megatron_contract.job import JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
 from megatron_operator.failures import Failure, FailureReason, PodFacts, PodHealth, classify_pod
 from megatron_operator.heartbeats import Accusation
-from megatron_operator.planner import Outcome, PlanDecision, PodRef, plan_mesh
+from megatron_operator.planner import Outcome, Placement, PlanDecision, PodRef, plan_mesh
 from megatron_operator.status import Reason
 
 
@@ -177,6 +177,7 @@ def assess(
     settling: bool = False,
     partition_hold: bool = False,
     recently_down: Collection[str] = (),
+    placement: Mapping[str, Placement] | None = None,
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -200,6 +201,8 @@ def assess(
             others come back fail no pod for it.
         recently_down: nodes NotReady for less than a grace: they count for the partition rule
             but fail no pod yet (nodes cut off together flip one by one).
+        placement: node and failure domain of the job's pods, by name, failed and gone ones
+            included when known: a failed pod is replaced from another domain when possible.
     """
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
@@ -272,7 +275,7 @@ def assess(
         decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
                              checkpoint_step=checkpoint_step, store_hosts=signals.fresh,
                              previous_trained=status.committed_epoch >= plan.epoch,
-                             retry=_abandoned(plan, signals, failed))
+                             retry=_abandoned(plan, signals, failed), placement=placement)
         if settling and decision.outcome is not Outcome.UNCHANGED:
             decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
         # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.

@@ -13,6 +13,10 @@ Scenarios:
 - a plan that never trained delivered no state: its newcomers hold none in the next plan, so a
   pod lost while the survivors were still joining falls back to those who kept theirs;
 - the rendezvous store lives with a member whose agent reported most recently.
+- failure domains: a failed pod's replacement is a spare on another node, in another rack (the
+  job's topology label) before another node of the same rack; with no placement known the order
+  of the spares decides; property (hypothesis): for any placement of pods on nodes and racks and
+  any failed members, as few replacements as possible come from a rack, then a node, that lost a pod.
 - property (hypothesis): for any valid spec and any sequence of failures, arrivals and changes of
   spec.replicas, every plan is a valid mesh (ranks unique and dense, TP groups inside a pod,
   world = tp*pp*cp*dp), epochs strictly increase, the global batch never changes, dp stays in
@@ -31,7 +35,7 @@ from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
-from megatron_operator.planner import Outcome, PodRef, UnitShape, plan_mesh
+from megatron_operator.planner import Outcome, Placement, PodRef, UnitShape, plan_mesh
 
 
 def _initial(spec: MegatronJobSpec, pods: list[PodRef]) -> MeshPlan:
@@ -335,3 +339,87 @@ def _check_transition(spec: MegatronJobSpec, shape: UnitShape, old: MeshPlan, ne
         assert new.resume_step >= old.resume_step
     else:
         assert kinds == {StateSourceKind.INIT} and new.resume_step == 0
+
+
+def test_the_replacement_comes_from_another_node() -> None:
+    spec = make_spec(replicas=2, spares=2)
+    pods = make_pod_refs(4)  # p0, p1 train; p2 and p3 are spares
+    plan = _initial(spec, pods[:2])
+    place = {"p0": Placement("node-a"), "p1": Placement("node-b"), "p2": Placement("node-a"),
+             "p3": Placement("node-c")}
+    # p0's node died: p2 beside it is the first spare, but the node that took p0 may take it next.
+    decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:], ["p0"], plan, placement=place)
+    assert decision.plan is not None and decision.plan.reason is PlanReason.REPLACE
+    assert decision.promoted == ("p3",)
+    # Without placement the order of the spares decides.
+    assert plan_mesh(spec, JOB_UID, [pods[1]], pods[2:], ["p0"], plan).promoted == ("p2",)
+
+
+def test_another_rack_before_another_node_of_the_same_rack() -> None:
+    spec = make_spec(replicas=2, spares=3)
+    pods = make_pod_refs(5)
+    plan = _initial(spec, pods[:2])
+    place = {"p0": Placement("a1", "rack-a"), "p1": Placement("b1", "rack-b"),
+             "p2": Placement("a1", "rack-a"), "p3": Placement("a2", "rack-a"), "p4": Placement("c1", "rack-c")}
+    decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:], ["p0"], plan, placement=place)
+    assert decision.promoted == ("p4",)
+    # With rack-c's spare gone, another node of rack-a beats p0's own node.
+    decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:4], ["p0"], plan, placement=place)
+    assert decision.promoted == ("p3",)
+    # A spare of unknown place is no suspect: it beats one in the failed pod's rack.
+    decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:4] + make_pod_refs(1, start=9), ["p0"], plan,
+                         placement=place)
+    assert decision.promoted == ("p9",)
+
+
+def test_two_failed_pods_on_one_node_take_spares_elsewhere() -> None:
+    spec = make_spec(replicas=4, spares=3)
+    pods = make_pod_refs(7)
+    plan = _initial(spec, pods[:4])
+    nodes = ["n0", "n0", "n1", "n1", "n0", "n2", "n3"]  # p4, a spare, shares n0 with p0 and p1
+    place = {p.name: Placement(n) for p, n in zip(pods, nodes, strict=True)}
+    decision = plan_mesh(spec, JOB_UID, pods[2:4], pods[4:], ["p0", "p1"], plan, placement=place)
+    assert decision.plan is not None and decision.plan.reason is PlanReason.REPLACE
+    assert sorted(decision.promoted) == ["p5", "p6"]
+
+
+@st.composite
+def placed_failures(draw: st.DrawFn) -> tuple[MegatronJobSpec, dict[str, Placement], list[int]]:
+    spec = draw(specs())
+    spec = spec.model_copy(update={"spares": draw(st.integers(1, 6))})
+    pods = spec.worker_pods + spec.spares
+    racks = draw(st.integers(1, 3))
+    nodes = draw(st.integers(1, 6))
+    rack_of = [draw(st.integers(0, racks - 1)) for _ in range(nodes)]
+    place = {}
+    for i in range(pods):
+        node = draw(st.integers(0, nodes - 1))
+        place[f"p{i}"] = Placement(f"n{node}", f"r{rack_of[node]}" if racks > 1 else None)
+    lost = draw(st.lists(st.integers(0, spec.worker_pods - 1), min_size=1, max_size=3, unique=True))
+    return spec, place, lost
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=placed_failures())
+def test_replacements_come_from_failure_domains_that_lost_nothing(
+    case: tuple[MegatronJobSpec, dict[str, Placement], list[int]],
+) -> None:
+    spec, place, lost_at = case
+    pods = make_pod_refs(spec.worker_pods + spec.spares)
+    plan = _initial(spec, pods[: spec.worker_pods])
+    lost = {plan.members[i].pod for i in lost_at}
+    survivors = [p for p in pods[: spec.worker_pods] if p.name not in lost]
+    spares = pods[spec.worker_pods:]
+    decision = plan_mesh(spec, JOB_UID, survivors, spares, lost, plan, placement=place)
+    if decision.plan is None or decision.plan.reason is not PlanReason.REPLACE:
+        return  # too few spares: a shrink, whose fillers are not only spares
+    lost_nodes = {place[n].node for n in lost}
+    lost_racks = {place[n].domain for n in lost} - {None}
+    holes = len(decision.promoted)
+    assert holes == len(lost)
+    in_lost_rack = sum(place[n].domain in lost_racks for n in decision.promoted)
+    on_lost_node = sum(place[n].node in lost_nodes for n in decision.promoted)
+    clean_racks = sum(place[p.name].domain not in lost_racks for p in spares)
+    clean_nodes = sum(place[p.name].node not in lost_nodes for p in spares)
+    assert in_lost_rack == max(0, holes - clean_racks)
+    assert on_lost_node == max(0, holes - clean_nodes)
