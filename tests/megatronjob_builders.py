@@ -11,6 +11,7 @@ import yaml
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
 LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
+PRODUCTION_EXAMPLE = EXAMPLE.with_name("production-job.yaml")
 
 
 def example_job(name: str = "gpt-demo", path: Path = EXAMPLE) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""MegatronJobSpec in Python: the committed examples parse (the Llama one through its preset),
+"""MegatronJobSpec in Python: the committed examples parse (the Llama one through its preset, the
+production one with its pod template kept as given),
 every bad job of ``BAD_JOBS`` is refused naming its field (bad names by the whole MegatronJob),
 quantities and GPUs equal to gpusPerPod parse (the same list the API-server test applies),
 derived sizes are right, and the status model round-trips through its wire form."""
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 
 from megatron_contract import MegatronJob, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.job import Condition, JobPhase
-from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, BadJob, example_job, with_spec
+from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, PRODUCTION_EXAMPLE, BadJob, example_job, with_spec
 
 
 def test_example_parses_with_defaults_filled() -> None:
@@ -29,6 +30,16 @@ def test_llama_example_resolves_its_preset_with_overrides() -> None:
     assert (m.num_layers, m.hidden_size, m.query_groups, m.ffn_size, m.vocab_size) == (32, 4096, 8, 14336, 128256)
     assert m.seq_length == 4096 and m.sequence_parallel  # given next to the preset
     assert spec.training.lr_schedule.decay_style == "cosine" and spec.training.optimizer.weight_decay == 0.1
+
+
+def test_production_example_keeps_its_pod_template_as_given() -> None:
+    job = example_job("llama3-8b", PRODUCTION_EXAMPLE)
+    spec = MegatronJob.model_validate(job).spec
+    assert spec.template is not None and spec.to_wire()["template"] == job["spec"]["template"]
+    trainer = spec.template.trainer()
+    assert trainer is not None and trainer.resources is not None and trainer.resources.limits == {
+        "memory": "1600Gi", "rdma/ib": 1}
+    assert spec.failure_domain.topology_key == "example.com/rack" and spec.shm_size == "64Gi"
 
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)

@@ -1,6 +1,8 @@
 """The CRD on a real kube-apiserver: the example job is accepted and shows in ``kubectl get``
 with its printer columns; the Llama example is accepted with its model fields left as given (the
-preset resolves them, not schema defaults); every job of ``BAD_JOBS`` (bad fields, and names too
+preset resolves them, not schema defaults); the production example (a pod template with RDMA,
+volumes, a priority class) is accepted with its template kept as given; every job of ``BAD_JOBS``
+(bad fields, pod templates that would break the operator, shorthands set twice, and names too
 long for a label or not a DNS-1035 label) is refused by ``kubectl apply`` with a message naming
 the field; quantities in their usual forms, GPUs equal to gpusPerPod and a 63-character name are
 accepted; tp, pp, cp and gpusPerPod cannot change on a live job while replicas can; the status
@@ -15,7 +17,7 @@ import pytest
 import yaml
 
 from localcluster.cluster import LocalCluster
-from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, BadJob, example_job, with_spec
+from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, PRODUCTION_EXAMPLE, BadJob, example_job, with_spec
 
 pytestmark = pytest.mark.cluster
 
@@ -42,6 +44,15 @@ def test_llama_example_is_accepted_without_model_defaults(local_cluster: LocalCl
     # The API server must not fill model fields: a default would override the preset's value.
     assert got["spec"]["model"] == {"preset": "llama3-8b", "seqLength": 4096, "sequenceParallel": True}
     assert got["spec"]["training"]["lrSchedule"]["warmupSteps"] == 2000
+
+
+def test_production_example_is_accepted_with_its_template_as_given(local_cluster: LocalCluster, namespace: str) -> None:
+    job = example_job("llama3-8b", PRODUCTION_EXAMPLE)
+    code, out = apply(local_cluster, namespace, job)
+    assert code == 0, out
+    got = json.loads(local_cluster.kubectl("get", "mj", "llama3-8b", "-n", namespace, "-o", "json").stdout)
+    # Fields the CRD does not type (priorityClassName, imagePullSecrets, the PVC source) are kept.
+    assert got["spec"]["template"] == job["spec"]["template"]
 
 
 @pytest.mark.parametrize("bad", BAD_JOBS, ids=lambda b: b.name)
