@@ -61,6 +61,12 @@ class AgentReport(WireModel):
     checkpoint_step: int | None = Field(
         default=None, ge=0, description="Step of the newest complete distributed checkpoint this pod's workers saved."
     )
+    checkpoint_blocking_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Total time this pod's training was blocked starting checkpoint saves (the slowest local worker"
+        " per save), since the agent started.",
+    )
     checkpoint_rejected: str | None = Field(
         default=None,
         max_length=1024,

@@ -656,6 +656,44 @@ class FailureRecord(WireModel):
     time: datetime
 
 
+class LostTime(WireModel):
+    """Seconds of a job's wall time lost, by cause (see Goodput)."""
+
+    detection: float = Field(
+        default=0.0, ge=0, description="Last step committed before a failure to the failure declared."
+    )
+    reconfiguration: float = Field(
+        default=0.0,
+        ge=0,
+        description="Failure declared to every member of the new plan training (its first step excluded).",
+    )
+    redone_steps: float = Field(
+        default=0.0, ge=0, description="Steps trained, then discarded because training resumed from an older step."
+    )
+    waiting_for_capacity: float = Field(
+        default=0.0,
+        ge=0,
+        description="No plan training and no recovery open: pods being scheduled and started, too few pods.",
+    )
+    checkpoint_stalls: float = Field(default=0.0, ge=0, description="Training blocked starting checkpoint saves.")
+    other: float = Field(
+        default=0.0,
+        ge=0,
+        description="Training time outside steps (data loading, reporting lag) and time no operator observed.",
+    )
+
+
+class Goodput(WireModel):
+    """Where the job's wall time went: the steps kept, and the rest by cause."""
+
+    ratio: float = Field(
+        ge=0, le=1, description="Productive seconds over wall seconds (effective training time ratio)."
+    )
+    wall_seconds: float = Field(ge=0, description="Since the job was created.")
+    productive_seconds: float = Field(ge=0, description="Durations of the training steps kept.")
+    lost_seconds: LostTime = Field(default_factory=LostTime)
+
+
 class MegatronJobStatus(WireModel):
     """What the operator observed and decided; written whole, once per change."""
 
@@ -709,6 +747,9 @@ class MegatronJobStatus(WireModel):
     )
     start_time: datetime | None = None
     completion_time: datetime | None = None
+    goodput: Goodput | None = Field(
+        default=None, description="Where the wall time went (refreshed with other changes, at least every 30 s)."
+    )
 
 
 class MegatronJob(WireModel):

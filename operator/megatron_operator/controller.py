@@ -34,6 +34,7 @@ from megatron_operator import builders, kube, metrics
 from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
+from megatron_operator.goodput import GoodputLedger
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome, Placement
 from megatron_operator.push import PlanPusher, PushOutcome
@@ -69,6 +70,15 @@ SECRET_PROMPT_SECONDS = 2.0
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def _created(body: Any) -> float:
+    """The job's creation time (Unix seconds); now when the object has none (a test's bare body)."""
+    stamp = (body.get("metadata") or {}).get("creationTimestamp")
+    try:
+        return datetime.fromisoformat(str(stamp)).timestamp() if stamp else time.time()
+    except ValueError:
+        return time.time()
 
 
 class JobController:
@@ -118,6 +128,8 @@ class JobController:
         self.status = self._read_status(body)
         self.done = False
         self._labels = metrics.job_labels(job.namespace, job.name)
+        self.goodput = GoodputLedger.resume(_created(body), self.status.goodput)
+        self._goodput_written = -float("inf")  # monotonic time the status last got fresh goodput figures
         # Children (see children.py): the key the token is derived from, a backoff per kind of child,
         # the pods created and not yet started, when the Secret and Service were last applied.
         self.token_key = token_key
@@ -277,6 +289,7 @@ class JobController:
             metrics.FAILURES.labels(**self._labels, reason=failure.reason.value).inc()
             if plan is not None and self.detected_at is None and failure.pod in members:
                 self.detected_at = mono
+                self.goodput.failure_declared(time.time())
         if a.failures:
             log.warning("%s/%s: failed pods: %s", self.job.namespace, self.job.name,
                         "; ".join(f"{f.pod} ({f.reason.value})" for f in a.failures))
@@ -363,6 +376,8 @@ class JobController:
                 committed_epoch = plan.epoch
                 if self.detected_at is not None or is_recovery(plan):
                     duration = self._recovery_seconds(now, trained_at)
+                    self.goodput.recovered(time.time() - (time.monotonic() - trained_at),
+                                           self._step_time([m.pod for m in plan.members]))
                     metrics.RECOVERY_SECONDS.labels(**self._labels).observe(duration)
                     events.append(("Normal", Reason.RECOVERED,
                                    f"recovered: every one of the {len(plan.members)} members of epoch {plan.epoch} "
@@ -692,11 +707,40 @@ class JobController:
             generation=generation,
         )
         new = compute_status(self.status, obs, now)
+        wall = time.time()
+        self.goodput.observe(
+            wall,
+            trained=plan is not None and obs.committed_epoch >= plan.epoch,
+            step=step,
+            step_time=self._step_time(members),
+            checkpoint_blocking=self._checkpoint_blocking(members),
+        )
+        metrics.export_goodput(self._labels, self.goodput.snapshot(wall))
+        # Fresh figures ride along with every other change, and on their own at most every 30 s:
+        # goodput changes on every call, and a status write per heartbeat would load the API server.
+        fresh = force or status_changed(self.status, new) or time.monotonic() - self._goodput_written >= 30
+        new = new.model_copy(update={"goodput": self.goodput.snapshot(wall) if fresh else self.status.goodput})
         if not force and not status_changed(self.status, new):
             return
+        if fresh:
+            self._goodput_written = time.monotonic()
         await kube.write_status(self.job.namespace, self.job.name, status_body(new))
         self.status = new
         self._export(new, spec)
+
+    def _step_time(self, pods: Iterable[str]) -> float | None:
+        """The latest step's duration as the slowest of ``pods`` measured it."""
+        times = [hb.report.step_time_seconds for p in pods if (hb := self.book.last(self.job.uid, p)) is not None]
+        return max((t for t in times if t is not None), default=None)
+
+    def _checkpoint_blocking(self, pods: Iterable[str]) -> dict[str, float]:
+        """Per pod, the total time its training was blocked starting checkpoint saves."""
+        out = {}
+        for pod in pods:
+            hb = self.book.last(self.job.uid, pod)
+            if hb is not None and hb.report.checkpoint_blocking_seconds is not None:
+                out[pod] = hb.report.checkpoint_blocking_seconds
+        return out
 
     def _export(self, status: MegatronJobStatus, spec: MegatronJobSpec) -> None:
         metrics.EPOCH.labels(**self._labels).set(status.epoch)

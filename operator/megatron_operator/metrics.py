@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from megatron_contract.job import JobPhase
+from megatron_contract.job import Goodput, JobPhase, LostTime
 from megatron_contract.mesh import PlanReason
 from megatron_operator.failures import FailureReason
 
@@ -48,10 +48,26 @@ ACCUSATIONS_IGNORED = Counter(
     JOB_LABELS,
 )
 
+GOODPUT = Gauge(
+    "megatron_operator_goodput_ratio",
+    "Durations of the training steps kept over wall time since the job was created (effective training time ratio).",
+    JOB_LABELS,
+)
+PRODUCTIVE_SECONDS = Gauge(
+    "megatron_operator_productive_seconds", "Durations of the training steps kept, in total.", JOB_LABELS
+)
+LOST_SECONDS = Gauge(
+    "megatron_operator_lost_seconds",
+    "Wall time not spent on kept training steps, by cause (see docs/operations.md, Goodput).",
+    [*JOB_LABELS, "cause"],
+)
+#: The causes of lost time, as the ``cause`` label spells them (the fields of LostTime).
+LOST_CAUSES = tuple(LostTime.model_fields)
 
 #: Series labelled by the job alone, and all of a job's series.
-_JOB_ONLY = (RECOVERY_SECONDS, PUSH_SECONDS, EPOCH, DP, SPARES_READY, READY_WORKERS, REPORTS, ACCUSATIONS_IGNORED)
-_PER_JOB = (*_JOB_ONLY, FAILURES, PLANS, PHASE)
+_JOB_ONLY = (RECOVERY_SECONDS, PUSH_SECONDS, EPOCH, DP, SPARES_READY, READY_WORKERS, REPORTS, ACCUSATIONS_IGNORED,
+             GOODPUT, PRODUCTIVE_SECONDS)
+_PER_JOB = (*_JOB_ONLY, FAILURES, PLANS, PHASE, LOST_SECONDS)
 
 
 def start_job(namespace: str, name: str) -> None:
@@ -64,8 +80,18 @@ def start_job(namespace: str, name: str) -> None:
         PLANS.labels(**labels, reason=plan_reason.value)
     for phase in JobPhase:
         PHASE.labels(**labels, phase=phase.value)
+    for cause in LOST_CAUSES:
+        LOST_SECONDS.labels(**labels, cause=cause)
     for metric in _JOB_ONLY:
         metric.labels(**labels)
+
+
+def export_goodput(labels: dict[str, str], goodput: Goodput) -> None:
+    """Set a job's goodput series from its ledger's figures."""
+    GOODPUT.labels(**labels).set(goodput.ratio)
+    PRODUCTIVE_SECONDS.labels(**labels).set(goodput.productive_seconds)
+    for cause in LOST_CAUSES:
+        LOST_SECONDS.labels(**labels, cause=cause).set(getattr(goodput.lost_seconds, cause))
 
 
 def forget_job(namespace: str, name: str) -> None:

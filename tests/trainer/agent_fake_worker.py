@@ -94,7 +94,8 @@ def main() -> int:
                 )
             )
             if spec.checkpoint is not None and step % spec.checkpoint.interval_steps == 0:
-                channel.send(CheckpointSaved(epoch=plan.epoch, step=step))
+                blocking = 0.25 + args.local_rank / 100
+                channel.send(CheckpointSaved(epoch=plan.epoch, step=step, blocking_seconds=blocking))
             if step == exit_at:
                 return 3
             if step == fail_at:

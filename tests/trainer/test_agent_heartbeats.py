@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from agent_harness import (
     JOB_UID,
     AgentProcess,
@@ -94,7 +95,11 @@ def test_heartbeats_carry_the_newest_complete_checkpoint(operator: RecordingOper
     with running_agents([agent]):
         operator.wait_report("pod-a", lambda r: r.state is AgentState.SPARE, 30, "state spare")
         assert agent.post_plan(make_plan(spec, [agent.pod, OTHER], epoch=1))[0] == 200
-        report = operator.wait_report("pod-a", lambda r: (r.checkpoint_step or 0) >= 10, 30, "checkpoint of step 10")
+        report = operator.wait_report("pod-a", lambda r: (r.checkpoint_step or 0) >= 25, 30, "checkpoint of step 25")
         assert report.checkpoint_step is not None and report.checkpoint_step % 5 == 0
-        early = [r.checkpoint_step for r in operator.reports_from("pod-a") if r.step is not None and r.step < 5]
-        assert all(c is None for c in early)  # nothing is reported before the first save
+        early = [r for r in operator.reports_from("pod-a") if r.step is not None and r.step < 5]
+        assert all(r.checkpoint_step is None and r.checkpoint_blocking_seconds is None for r in early)
+        # Each save blocked the slowest local worker (local rank L: 0.25 + L/100 s), counted once per save.
+        slowest = 0.25 + (spec.gpus_per_pod - 1) / 100
+        saves = report.checkpoint_step // 5
+        assert report.checkpoint_blocking_seconds == pytest.approx(saves * slowest)

@@ -71,6 +71,10 @@ class Agent:
         # Failures of this pod's own workers or reported peers, until an acknowledged report carried them.
         self.pending_failures: list[PeerFailure] = []
         self.checkpoint_step: int | None = None  # newest complete checkpoint a local worker saved
+        # Training time blocked starting saves: the longest local worker per save, for the newest saves
+        # (step -> seconds; local workers report the same save one after another), and older ones summed.
+        self.checkpoint_blocking: dict[int, float] = {}
+        self.checkpoint_blocking_older = 0.0
         self.checkpoint_rejected: str | None = None  # the last checkpoint a restore rejected, and why
         self.checkpoint_unusable: str | None = None  # a restore that gave up (two rejections)
         # A worker that replaces a dead one must not join the epoch its predecessor broke.
@@ -224,6 +228,11 @@ class Agent:
         elif isinstance(message, Progress):
             self._on_progress(handle, message)
         elif isinstance(message, CheckpointSaved):
+            if message.blocking_seconds is not None:
+                before = self.checkpoint_blocking.get(message.step, 0.0)
+                self.checkpoint_blocking[message.step] = max(before, message.blocking_seconds)
+                while len(self.checkpoint_blocking) > 4:
+                    self.checkpoint_blocking_older += self.checkpoint_blocking.pop(min(self.checkpoint_blocking))
             # Complete for the whole world once any rank reports it (save ends with a barrier).
             if self.checkpoint_step is None or message.step > self.checkpoint_step:
                 self.checkpoint_step = message.step
@@ -423,6 +432,11 @@ class Agent:
             # The same objects as pending_failures: acknowledgement clears exactly these.
             failed_peers=list(self.pending_failures),
             checkpoint_step=self.checkpoint_step,
+            checkpoint_blocking_seconds=(
+                self.checkpoint_blocking_older + sum(self.checkpoint_blocking.values())
+                if self.checkpoint_blocking
+                else None
+            ),
             checkpoint_rejected=self.checkpoint_rejected,
             checkpoint_unusable=self.checkpoint_unusable,
             sent_at=datetime.now(UTC),

@@ -1,0 +1,83 @@
+"""The goodput ledger: wall time since creation is split into the steps kept and time lost by
+cause, and the parts add up to the wall time."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_contract.job import Goodput
+from megatron_operator.goodput import GoodputLedger
+
+
+def _parts(g: Goodput) -> float:
+    lost = g.lost_seconds
+    return g.productive_seconds + sum(getattr(lost, f) for f in type(lost).model_fields)
+
+
+def test_a_failure_and_its_recovery_are_filed_by_cause() -> None:
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(5.0, trained=False, step=None, step_time=None)  # pods starting
+    ledger.observe(6.0, trained=True, step=0, step_time=None)  # the first plan trains
+    ledger.observe(7.0, trained=True, step=2, step_time=0.4)  # two steps of 0.4 s
+    ledger.failure_declared(8.0)  # the last step was seen at 7.0
+    ledger.observe(9.0, trained=False, step=2, step_time=0.4)
+    ledger.recovered(10.0, first_step_time=0.5)
+    ledger.observe(11.0, trained=True, step=3, step_time=0.5)
+    g = ledger.snapshot(11.0)
+    assert g.wall_seconds == 11.0
+    assert g.productive_seconds == pytest.approx(1.3)
+    assert g.lost_seconds.waiting_for_capacity == pytest.approx(5.0)
+    assert g.lost_seconds.detection == pytest.approx(1.0)
+    assert g.lost_seconds.reconfiguration == pytest.approx(1.5)  # 8 -> 10, less the first step
+    assert g.lost_seconds.other == pytest.approx(2.2)  # training time outside the steps
+    assert g.ratio == pytest.approx(1.3 / 11, abs=1e-4)
+    assert _parts(g) == pytest.approx(g.wall_seconds)
+
+
+def test_steps_discarded_by_a_resume_from_an_older_step_are_redone_not_productive() -> None:
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(0.0, trained=True, step=0, step_time=None)
+    ledger.observe(10.0, trained=True, step=10, step_time=0.5)  # 5 s of steps
+    ledger.failure_declared(10.5)
+    ledger.observe(12.0, trained=False, step=6, step_time=0.5)  # restored a checkpoint of step 6
+    ledger.recovered(13.0, first_step_time=0.5)
+    ledger.observe(20.0, trained=True, step=16, step_time=0.5)
+    g = ledger.snapshot(20.0)
+    assert g.lost_seconds.redone_steps == pytest.approx(2.0)  # steps 7..10 again
+    assert g.productive_seconds == pytest.approx(5.0 - 2.0 + 5.0)
+    assert _parts(g) == pytest.approx(20.0)
+
+
+def test_checkpoint_stalls_count_the_longest_pod_once_per_save_and_new_pods_start_a_baseline() -> None:
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(1.0, trained=True, step=0, step_time=None, checkpoint_blocking={"a": 0.0, "b": 0.0})
+    ledger.observe(2.0, trained=True, step=1, step_time=0.1, checkpoint_blocking={"a": 1.5, "b": 2.0})
+    ledger.observe(3.0, trained=True, step=2, step_time=0.1, checkpoint_blocking={"a": 1.5, "b": 2.0, "c": 3.0})
+    ledger.observe(4.0, trained=True, step=3, step_time=0.1, checkpoint_blocking={"a": 1.8, "b": 2.1, "c": 3.0})
+    assert ledger.snapshot(4.0).lost_seconds.checkpoint_stalls == pytest.approx(2.0 + 0.3)
+
+
+def test_a_new_operator_process_continues_from_the_status_and_files_the_gap_as_other() -> None:
+    first = GoodputLedger(created=0.0)
+    first.observe(0.0, trained=True, step=0, step_time=None)
+    first.observe(10.0, trained=True, step=10, step_time=0.9)
+    saved = first.snapshot(10.0)
+    second = GoodputLedger.resume(0.0, saved)
+    second.observe(15.0, trained=True, step=10, step_time=0.9)  # 5 s nobody observed
+    g = second.snapshot(15.0)
+    assert g.productive_seconds == pytest.approx(9.0)
+    assert g.lost_seconds.other == pytest.approx(1.0 + 5.0)
+    assert _parts(g) == pytest.approx(15.0)
+
+
+def test_a_failure_during_a_recovery_belongs_to_it() -> None:
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(0.0, trained=True, step=0, step_time=None)
+    ledger.observe(2.0, trained=True, step=4, step_time=0.5)
+    ledger.failure_declared(3.0)
+    ledger.failure_declared(4.0)  # a second pod lost while the first recovery runs
+    ledger.recovered(6.0, first_step_time=0.5)
+    g = ledger.snapshot(6.0)
+    assert g.lost_seconds.detection == pytest.approx(1.0)
+    assert g.lost_seconds.reconfiguration == pytest.approx(2.5)
+    assert _parts(g) == pytest.approx(6.0)
