@@ -51,7 +51,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     printf '%s' "$WANT" > "$STAMP"
 fi
 
-# Control plane, kwok and helm (first run builds them from Go modules: ~10 minutes on 2 cores).
+# Control plane, kwok, helm, helm-docs, Prometheus and promtool (first run builds them from Go
+# modules: ~15 minutes on 2 cores).
 PYTHONPATH=localcluster "$VENV/bin/python" -m localcluster.build >/dev/null
 if ! command -v kubectl >/dev/null 2>&1; then
     echo "setup: kubectl not found; installing Debian's package" >&2

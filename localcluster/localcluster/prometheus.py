@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -318,6 +319,8 @@ class LocalPrometheus(PrometheusClient):
     def start(self, timeout: float = 60) -> None:
         binary = build.build(build.PROMETHEUS)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # A fresh TSDB: an earlier run's series would stay visible for Prometheus' 5-minute lookback.
+        shutil.rmtree(self.workdir / "tsdb", ignore_errors=True)
         (self.workdir / "prometheus.yaml").write_text(yaml.safe_dump(self._config, sort_keys=False))
         (self.workdir / "rules.yaml").write_text(yaml.safe_dump(self._rules, sort_keys=False))
         with self.log.open("ab") as out:

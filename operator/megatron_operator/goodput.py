@@ -123,6 +123,20 @@ class GoodputLedger:
             if before is not None and total > before:
                 stall = max(stall, total - before)  # every rank blocks at once: the longest counts
         self.checkpoint_stalls += stall
+        self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Steps (and stalls) counted beyond the training time filed so far ran while the job was
+        filed as waiting or reconfiguring: a plan's first steps, done before the last member's
+        report made it 'trained'. That time was training; move it over, so the parts add up."""
+        excess = self.productive + self.redone_steps + self.checkpoint_stalls + self.detection - self.training
+        for bucket in ("waiting_for_capacity", "reconfiguration"):
+            if excess <= 0:
+                break
+            take = min(excess, getattr(self, bucket))
+            setattr(self, bucket, getattr(self, bucket) - take)
+            self.training += take
+            excess -= take
 
     def failure_declared(self, now: float) -> None:
         """A failure stopped training: the time since the last committed step was detection."""

@@ -81,3 +81,14 @@ def test_a_failure_during_a_recovery_belongs_to_it() -> None:
     assert g.lost_seconds.detection == pytest.approx(1.0)
     assert g.lost_seconds.reconfiguration == pytest.approx(2.5)
     assert _parts(g) == pytest.approx(6.0)
+
+
+def test_steps_done_before_the_last_member_reported_move_out_of_waiting() -> None:
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(2.0, trained=False, step=None, step_time=None)
+    ledger.observe(5.0, trained=False, step=0, step_time=None)  # some members trained, not all reported
+    ledger.observe(6.0, trained=True, step=3, step_time=1.0)  # three steps of 1 s, mostly while "waiting"
+    g = ledger.snapshot(6.0)
+    assert g.productive_seconds == pytest.approx(3.0)
+    assert g.lost_seconds.waiting_for_capacity == pytest.approx(3.0)
+    assert _parts(g) == pytest.approx(6.0)
