@@ -39,6 +39,31 @@ def with_spec(job: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 DELETE = object()
 
+#: Spec changes the rules of spec.template accept (the example has gpusPerPod 2): the trainer's GPUs
+#: equal to gpusPerPod as a number and as a string, an RDMA device, a port of its own, a sidecar with
+#: its ports, a volume and its mount, a label and an annotation, a pod field the CRD does not type.
+GOOD_TEMPLATE = {
+    "resources": DELETE,
+    "shmSize": "32Gi",
+    "template": {
+        "metadata": {"labels": {"team": "llm"}, "annotations": {"example.com/owner": "pretraining"}},
+        "spec": {
+            "priorityClassName": "training-high",
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+            "containers": [
+                {"name": "proxy", "image": "envoy:1", "ports": [{"name": "http", "containerPort": 8080}]},
+                {
+                    "name": "trainer",
+                    "image": "ghcr.io/megatron-operator/trainer:0.1.0",
+                    "resources": {"limits": {"nvidia.com/gpu": "2", "rdma/ib": 1}, "requests": {"nvidia.com/gpu": 2}},
+                    "ports": [{"name": "debug", "containerPort": 5678}],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                },
+            ],
+        },
+    },
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class BadJob:

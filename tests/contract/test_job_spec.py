@@ -1,5 +1,5 @@
 """MegatronJobSpec in Python: the committed examples parse (the Llama one through its preset, the
-production one with its pod template kept as given),
+production one with its pod template kept as given), a template that clashes with nothing parses,
 every bad job of ``BAD_JOBS`` is refused naming its field (bad names by the whole MegatronJob),
 quantities and GPUs equal to gpusPerPod parse (the same list the API-server test applies),
 derived sizes are right, and the status model round-trips through its wire form."""
@@ -13,7 +13,15 @@ from pydantic import ValidationError
 
 from megatron_contract import MegatronJob, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.job import Condition, JobPhase
-from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, PRODUCTION_EXAMPLE, BadJob, example_job, with_spec
+from megatronjob_builders import (
+    BAD_JOBS,
+    GOOD_TEMPLATE,
+    LLAMA_EXAMPLE,
+    PRODUCTION_EXAMPLE,
+    BadJob,
+    example_job,
+    with_spec,
+)
 
 
 def test_example_parses_with_defaults_filled() -> None:
@@ -55,6 +63,12 @@ def test_bad_spec_is_refused_naming_the_field(bad: BadJob) -> None:
     # A union (int or quantity string) names its member after the field: resources.requests.cpu.int.
     named = field in locs or any(loc.startswith(field + ".") for loc in locs)
     assert bad.expect in str(info.value) or named, f"{bad.name}: {info.value}"
+
+
+def test_a_template_that_clashes_with_nothing_parses() -> None:
+    spec = MegatronJob.model_validate(with_spec(example_job(), **GOOD_TEMPLATE)).spec
+    assert spec.template is not None and spec.template.spec is not None
+    assert spec.to_wire()["template"]["spec"]["priorityClassName"] == "training-high"
 
 
 def test_quantities_and_matching_gpus_parse() -> None:

@@ -4,7 +4,8 @@ preset resolves them, not schema defaults); the production example (a pod templa
 volumes, a priority class) is accepted with its template kept as given; every job of ``BAD_JOBS``
 (bad fields, pod templates that would break the operator, shorthands set twice, and names too
 long for a label or not a DNS-1035 label) is refused by ``kubectl apply`` with a message naming
-the field; quantities in their usual forms, GPUs equal to gpusPerPod and a 63-character name are
+the field; quantities in their usual forms, GPUs equal to gpusPerPod (in spec.resources and in the
+template's trainer container), a template that clashes with nothing and a 63-character name are
 accepted; tp, pp, cp and gpusPerPod cannot change on a live job while replicas can; the status
 subresource accepts the operator's status and ignores status sent with the spec."""
 
@@ -17,7 +18,15 @@ import pytest
 import yaml
 
 from localcluster.cluster import LocalCluster
-from megatronjob_builders import BAD_JOBS, LLAMA_EXAMPLE, PRODUCTION_EXAMPLE, BadJob, example_job, with_spec
+from megatronjob_builders import (
+    BAD_JOBS,
+    GOOD_TEMPLATE,
+    LLAMA_EXAMPLE,
+    PRODUCTION_EXAMPLE,
+    BadJob,
+    example_job,
+    with_spec,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -74,6 +83,11 @@ def test_quantities_gpus_matching_gpus_per_pod_and_a_63_character_name_are_accep
     }
     job = with_spec(example_job("n" * 62 + "0"), resources=resources)
     code, out = apply(local_cluster, namespace, job)
+    assert code == 0, out
+
+
+def test_a_template_that_clashes_with_nothing_is_accepted(local_cluster: LocalCluster, namespace: str) -> None:
+    code, out = apply(local_cluster, namespace, with_spec(example_job("templated"), **GOOD_TEMPLATE))
     assert code == 0, out
 
 

@@ -15,6 +15,8 @@ most nodes NotReady at once fail no pod; plans made while a recovery is under wa
 the recovery budget, but a recovery that never converges ends; losing every holder of trained state
 with no checkpoint fails the job (StateLost) instead of silently starting over; an epoch every
 member abandoned (a join that timed out, nobody to blame) is planned again within its recovery.
+Failure domains: given where the pods run, a deleted member is replaced by the spare on another node,
+not by the first spare beside it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megatron_contract.job import JobPhase, MegatronJobStatus
 from megatron_contract.mesh import PlanReason
 from megatron_operator.failures import Failure, FailureReason, PodFacts
 from megatron_operator.heartbeats import Accusation
-from megatron_operator.planner import Outcome
+from megatron_operator.planner import Outcome, Placement
 from megatron_operator.reconcile import (
     AgentSignals,
     assess,
@@ -97,6 +99,19 @@ def test_deleted_member_is_replaced_by_the_spare_and_a_new_spare_is_made() -> No
                expected=["job-3"])
     assert b.failures == () and b.decision is not None and b.decision.outcome is Outcome.UNCHANGED
     assert b.create_spares == 0
+
+
+def test_a_deleted_member_is_replaced_from_another_node() -> None:
+    spec = SPEC.model_copy(update={"spares": 2})
+    pods = _pods("job-0", "job-1") + _pods("job-2", "job-3", role="spare")
+    status = MegatronJobStatus(phase=JobPhase.RUNNING, epoch=1,
+                               plan=assess(spec, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {}).plan)
+    left = [p for p in pods if p.name != "job-0"]  # gone from the index: only the operator's memory has its node
+    place = {"job-0": Placement("gpu-0"), "job-1": Placement("gpu-1"), "job-2": Placement("gpu-0"),
+             "job-3": Placement("gpu-2")}
+    a = assess(spec, JOB_UID, status, left, NODES, AgentSignals(), {}, placement=place)
+    assert a.decision is not None and a.decision.promoted == ("job-3",)
+    assert assess(spec, JOB_UID, status, left, NODES, AgentSignals(), {}).decision.promoted == ("job-2",)  # type: ignore[union-attr]
 
 
 def test_agent_signals_are_failures() -> None:
