@@ -279,6 +279,23 @@ class FailureDetectionSpec(WireModel):
     collective_timeout_seconds: float = Field(
         default=30.0, gt=0, le=3600, description="A worker aborts a collective stuck this long and reports its peer."
     )
+    hang_detection_step_multiple: float = Field(
+        default=3.0,
+        ge=0,
+        le=1000,
+        description=(
+            "A training step (its data read excluded) that runs longer than this many times the median of the"
+            " epoch's recent steps is a hang: the worker aborts the epoch and reports it, without waiting for"
+            " collectiveTimeoutSeconds. The first step of an epoch, checkpoint saves and data reads are allowed"
+            " collectiveTimeoutSeconds. 0 turns progress-based detection off."
+        ),
+    )
+    hang_detection_floor_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        le=3600,
+        description="The shortest step limit progress-based hang detection uses, however fast the steps are.",
+    )
 
     model_config = ConfigDict(
         json_schema_extra={
