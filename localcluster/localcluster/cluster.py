@@ -241,6 +241,16 @@ class LocalCluster:
         )
         self._wait(lambda: self._api_ok("/readyz"), "kube-apiserver", timeout)
 
+    def restart_apiserver(self, down_seconds: float = 0.0, timeout: float = 60.0) -> None:
+        """Kill kube-apiserver (SIGKILL), wait ``down_seconds``, start it again on the same port with
+        the same certificates and etcd: every client sees its connections drop and come back."""
+        proc = self.procs.pop("kube-apiserver")
+        proc.kill()
+        proc.wait()
+        time.sleep(down_seconds)
+        self._start_apiserver(build.build(build.ALL["kube-apiserver"]), timeout)
+        self._save_state()
+
     def _start_controller_manager(self, binary: Path) -> None:
         c = self._pki()
         self._spawn(

@@ -33,6 +33,67 @@ def token_key_file(workdir: Path) -> Path:
     return path
 
 
+class OperatorProcess:
+    """The operator as a subprocess that can be killed and started again on the same ports (a
+    chaos run's "operator restart"); :func:`running_operator` is the usual way to hold one."""
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        namespaces: str,
+        log: Path,
+        port: int | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(cluster.kubeconfig),
+            "MEGATRON_OPERATOR_NAMESPACES": namespaces,
+            "MEGATRON_OPERATOR_URL": self.url,
+            "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
+            "MEGATRON_OPERATOR_REPORT_PORT": str(self.port),
+            "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
+            "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(cluster.workdir)),
+        }
+        if metrics_port is not None:
+            self.env["MEGATRON_OPERATOR_METRICS_PORT"] = str(metrics_port)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "megatron_operator"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or evicted operator pod: no shutdown of any kind."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        """SIGTERM (a graceful shutdown), SIGKILL after 15 s."""
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
 @contextmanager
 def running_operator(
     cluster: LocalCluster, namespaces: str, log: Path, port: int | None = None, metrics_port: int | None = None
@@ -44,35 +105,8 @@ def running_operator(
     Leader election is off: there is one replica. With ``metrics_port`` it serves its Prometheus
     metrics there (on every address, as in a pod; see :func:`localcluster.prometheus.expose_operator`).
     """
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(cluster.kubeconfig),
-        "MEGATRON_OPERATOR_NAMESPACES": namespaces,
-        "MEGATRON_OPERATOR_URL": url,
-        "MEGATRON_OPERATOR_REPORT_HOST": "127.0.0.1",
-        "MEGATRON_OPERATOR_REPORT_PORT": str(port),
-        "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
-        "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(cluster.workdir)),
-    }
-    if metrics_port is not None:
-        env["MEGATRON_OPERATOR_METRICS_PORT"] = str(metrics_port)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_operator"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    operator = OperatorProcess(cluster, namespaces, log, port, metrics_port).start()
     try:
-        yield url
+        yield operator.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        operator.stop()
