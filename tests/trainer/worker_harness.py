@@ -75,11 +75,13 @@ def make_spec(
     global_batch_size: int = 8,
     collective_timeout: float = 10.0,
     training: dict[str, Any] | None = None,
+    detection: dict[str, Any] | None = None,
     **model: Any,
 ) -> MegatronJobSpec:
     """A small job: a 2-layer GPT that trains in a fraction of a second per step on CPU (unless
     ``model`` names a preset).
-    ``training`` adds TrainingSpec fields (optimizer, lrSchedule, ...); ``model`` ModelSpec fields."""
+    ``training`` adds TrainingSpec fields (optimizer, lrSchedule, ...); ``detection``
+    FailureDetectionSpec fields (hang_detection_step_multiple, ...); ``model`` ModelSpec fields."""
     tiny = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
     model_args = {**({} if model.get("preset") else tiny), **model}  # a preset brings its own shape
     return MegatronJobSpec(
@@ -99,7 +101,10 @@ def make_spec(
             **(training or {}),
         ),
         failure_detection=FailureDetectionSpec(
-            heartbeat_interval_seconds=1.0, heartbeat_timeout_seconds=5.0, collective_timeout_seconds=collective_timeout
+            heartbeat_interval_seconds=1.0,
+            heartbeat_timeout_seconds=5.0,
+            collective_timeout_seconds=collective_timeout,
+            **(detection or {}),
         ),
     )
 

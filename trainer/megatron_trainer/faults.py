@@ -1,10 +1,12 @@
 """Fault injection for tests and benchmarks: named faults, fired inside a worker at a given
-(epoch, rank, step), mid-step (after the forward pass of the step's first micro-batch, so the
-step's collectives are in flight on the other ranks).
+(epoch, rank, step) and injection point: mid-step by default (after the forward pass of the step's
+first micro-batch, so the step's collectives are in flight on the other ranks), or while the step's
+data is read, or when the checkpoint saver runs after the step (:class:`InjectionPoint`).
 
 Build a plan fluently and hand it to workers through the environment::
 
     faults = FaultPlan().fail_at(rank=1, step=3, fault=Fault.SIGKILL)
+    slow = FaultPlan().fail_at(rank=2, step=4, fault=Fault.DELAY, seconds=4, point=InjectionPoint.DATA_READ)
     env[ENV_FAULTS] = faults.to_env()
 
 The worker calls :meth:`FaultPlan.maybe_fire` at its injection point. Each firing appends one JSON
@@ -32,6 +34,15 @@ class Fault(enum.StrEnum):
     SIGKILL = "sigkill"  # the process dies at once (a crashed GPU/pod)
     SIGSTOP = "sigstop"  # the process stops (a hang); its supervisor must kill it
     EXCEPTION = "exception"  # the training step raises InjectedFault
+    DELAY = "delay"  # the worker sleeps FaultSpec.seconds (a slow step, data read or save; not a failure)
+
+
+class InjectionPoint(enum.StrEnum):
+    """Where in a step a fault fires."""
+
+    MID_STEP = "midStep"  # after the first micro-batch's forward pass
+    DATA_READ = "dataRead"  # while the step's samples are read, before any collective of the step
+    CHECKPOINT = "checkpoint"  # when the checkpoint saver runs after the step (step = steps completed)
 
 
 class InjectedFault(RuntimeError):
@@ -45,6 +56,8 @@ class FaultSpec(BaseModel):
     rank: int = Field(ge=0)
     step: int = Field(ge=0, description="The step in progress (0-based): fires before it completes.")
     epoch: int = Field(default=1, ge=1, description="Only in this epoch, so a rank's successor is spared.")
+    point: InjectionPoint = InjectionPoint.MID_STEP
+    seconds: float = Field(default=0.0, ge=0, description="How long a DELAY sleeps.")
 
 
 _SPECS: TypeAdapter[list[FaultSpec]] = TypeAdapter(list[FaultSpec])
@@ -56,9 +69,17 @@ class FaultPlan:
     def __init__(self, specs: list[FaultSpec] | None = None) -> None:
         self.specs: list[FaultSpec] = list(specs or [])
 
-    def fail_at(self, rank: int, step: int, fault: Fault = Fault.SIGKILL, epoch: int = 1) -> FaultPlan:
+    def fail_at(
+        self,
+        rank: int,
+        step: int,
+        fault: Fault = Fault.SIGKILL,
+        epoch: int = 1,
+        point: InjectionPoint = InjectionPoint.MID_STEP,
+        seconds: float = 0.0,
+    ) -> FaultPlan:
         """Add a fault; returns ``self`` so calls chain."""
-        self.specs.append(FaultSpec(fault=fault, rank=rank, step=step, epoch=epoch))
+        self.specs.append(FaultSpec(fault=fault, rank=rank, step=step, epoch=epoch, point=point, seconds=seconds))
         return self
 
     def to_env(self) -> str:
@@ -76,13 +97,16 @@ class FaultPlan:
         except ValueError as err:
             raise ValueError(f"{ENV_FAULTS} is not a JSON list of faults: {err}") from err
 
-    def due(self, epoch: int, rank: int, step: int) -> FaultSpec | None:
+    def due(
+        self, epoch: int, rank: int, step: int, point: InjectionPoint = InjectionPoint.MID_STEP
+    ) -> FaultSpec | None:
         """The fault planned for this point, if any."""
-        return next((s for s in self.specs if (s.epoch, s.rank, s.step) == (epoch, rank, step)), None)
+        return next((s for s in self.specs if (s.epoch, s.rank, s.step, s.point) == (epoch, rank, step, point)), None)
 
-    def maybe_fire(self, epoch: int, rank: int, step: int) -> None:
-        """Fire the fault planned for this point; returns only when none is due (or after SIGCONT)."""
-        spec = self.due(epoch, rank, step)
+    def maybe_fire(self, epoch: int, rank: int, step: int, point: InjectionPoint = InjectionPoint.MID_STEP) -> None:
+        """Fire the fault planned for this point; returns only when none is due (or after SIGCONT, or
+        after a DELAY's sleep)."""
+        spec = self.due(epoch, rank, step, point)
         if spec is None:
             return
         log_path = os.environ.get(ENV_FAULT_LOG)
@@ -94,6 +118,8 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.fault is Fault.SIGSTOP:
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.fault is Fault.DELAY:
+            time.sleep(spec.seconds)
         else:
             raise InjectedFault(f"injected fault at epoch {epoch} rank {rank} step {step}")
 

@@ -7,7 +7,8 @@ Two halves, because they run on different threads:
   serial abort, or ``c10d._abort_process_group``, hung with Megatron's
   21 groups on 4xH200), which makes the blocked collective return. On gloo there is nothing to call:
   ``abort()`` does not unblock a gloo collective (pytorch#130345); the collective ends with the
-  gloo timeout or when a peer frees its groups.
+  gloo timeout, when a peer frees its groups, or when :func:`close_gloo_connections` shuts this
+  process's connections down (what the watchdog does on a hang).
 - :func:`forget_process_groups` (NCCL, after an abort) and :func:`release_process_groups` (gloo,
   or a clean stop) run on the main thread once nothing uses the groups.
 
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import socket
+import stat
 import threading
 import time
 
@@ -156,6 +160,38 @@ def release_process_groups() -> None:
             dist.distributed_c10d._world.group_count = 0
         _current = None
     gc.collect()
+
+
+def close_gloo_connections() -> int:
+    """Shut down every connected TCP socket of this process; returns how many. Any thread.
+
+    The gloo stand-in for an NCCL abort: a gloo collective blocked on a peer that never answers
+    returns at once with "Connection closed by peer", and the peers at the other end of each
+    connection see it closed too (measured on CPU: a survivor blocked on a SIGSTOPped rank came
+    back in 1.00 s with the gloo timeout at 30 s). A worker's only TCP connections are its epoch's:
+    gloo's pairs and its client of the epoch's store, which the next epoch replaces; the channel to
+    the agent is a Unix socket. Listening sockets are left alone: shutting gloo's listener down
+    makes gloo's accept loop abort the process.
+    """
+    closed = 0
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue  # closed meanwhile, or not a socket Python can wrap
+        try:
+            inet = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+            if inet and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                closed += 1
+        except OSError as err:
+            log.debug("shutdown of fd %d: %s", fd, err)
+        finally:
+            sock.detach()  # the descriptor stays gloo's; only the connection is shut down
+    return closed
 
 
 def _abort_one(backend: object) -> None:

@@ -5,14 +5,19 @@ Threads:
 - main: everything that touches torch.distributed and the model;
 - channel reader: receives plans; when a newer plan must interrupt training, it marks the epoch
   aborted, which the main thread notices while it waits for the step's collectives;
-- watchdog: aborts the epoch when one step runs past ``collectiveTimeoutSeconds`` (a hung peer).
+- watchdog: aborts the epoch when the step in progress stalls (a hung peer): past a few times the
+  epoch's recent step time, or past ``collectiveTimeoutSeconds`` when there is none yet; data reads
+  and checkpoint saves have their own allowance, and a peer busy in one postpones the verdict
+  (worker/watchdog.py).
 
 Who aborts the NCCL communicators: the main thread, once it has left the step (worker/abort.py
 explains why it does not wait for them). An abort holds each group's lock for its whole duration
 (~1 s), and a collective launched meanwhile would block on that lock, so aborting while the main
 thread still launches the step's collectives cost the survivors up to a second. Only if the main
 thread has not left the step after :data:`ABORT_GRACE_SECONDS` (blocked somewhere no flag reaches)
-does the interrupting thread abort the communicators itself, which frees any blocked call.
+does the interrupting thread abort the communicators itself, which frees any blocked call. On gloo,
+where ``abort()`` frees nothing (pytorch#130345), a hang found by the watchdog shuts down the
+process's gloo connections instead (:func:`abort.close_gloo_connections`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from megatron_trainer.channel import (
     WireModel,
     WorkerStatus,
 )
-from megatron_trainer.faults import FaultPlan, InjectedFault
+from megatron_trainer.faults import FaultPlan, InjectedFault, InjectionPoint
 from megatron_trainer.worker import abort, checkpoint, rendezvous
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
 from megatron_trainer.worker.lifecycle import WorkerState, check_transition
@@ -58,11 +63,15 @@ from megatron_trainer.worker.peer_restore import restore_from_peers
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.step import StepAborted, guard_commit, train_step
 from megatron_trainer.worker.verify import StateMismatch, verify_state
+from megatron_trainer.worker.watchdog import HangWatch, PeerActivity, Phase, ProgressMarks, StepLimit
 
 log = logging.getLogger("megatron_trainer.worker")
 
 
 ABORT_GRACE_SECONDS = 0.5
+
+#: How often the watchdog thread looks at the main thread's progress.
+WATCHDOG_TICK_SECONDS = 0.05
 
 _COLLECTIVE_ERROR_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "abort", "socket", "peer")
 
@@ -108,7 +117,9 @@ class Worker:
         self._abort_reason = ""
         self._detected_at: float | None = None  # monotonic time the current failure was noticed
         self._detected_wall: float | None = None
-        self._step_started: float | None = None
+        self._marks = ProgressMarks()  # the main thread's training phase, for the watchdog
+        self._limits = StepLimit(self.spec.failure_detection)  # the epoch's recent step times
+        self._activity: PeerActivity | None = None  # the epoch's busy-peer counter (store)
         self._out_of_step = threading.Event()  # set while the main thread runs no training step
         self._out_of_step.set()
         self._abort: abort.Abort | None = None  # the last epoch's communicator aborts
@@ -177,9 +188,10 @@ class Worker:
         if urgent:
             self._interrupt(f"new plan epoch {plan.epoch}")
 
-    def _interrupt(self, reason: str, now: bool = False) -> None:
+    def _interrupt(self, reason: str, now: bool = False, hung: bool = False) -> None:
         """Mark the epoch aborted; abort its communicators here only if the main thread does not
-        leave its step within the grace (or at once when ``now``)."""
+        leave its step within the grace (or at once when ``now``). ``hung`` (the watchdog's verdict)
+        also unblocks a gloo collective, which no flag reaches."""
         with self._lock:
             if self._aborted.is_set():
                 return
@@ -195,16 +207,25 @@ class Worker:
             phases["abort_nccl"] = took
             thread = threading.current_thread().name
             log.info("communicators aborted in %.3fs by the %s thread (%s)", took, thread, reason)
+        elif self.backend == "gloo" and hung and self.epoch and not self._out_of_step.wait(ABORT_GRACE_SECONDS):
+            closed = abort.close_gloo_connections()
+            log.info(
+                "%d gloo connections shut down by the %s thread (%s)", closed, threading.current_thread().name, reason
+            )
 
     # -- watchdog thread ---------------------------------------------------------------------------
 
-    def _watch_collectives(self) -> None:
-        limit = self.spec.failure_detection.collective_timeout_seconds
+    def _watch_progress(self) -> None:
+        """Judge the main thread's progress every tick (worker/watchdog.py); abort on a hang."""
+        watch = HangWatch(self._limits)
         while True:
-            time.sleep(min(0.5, limit / 4))
-            started = self._step_started
-            if started is not None and self.state is WorkerState.TRAINING and time.monotonic() - started > limit:
-                self._interrupt(f"collective timeout: step running for more than {limit:.1f}s")
+            time.sleep(WATCHDOG_TICK_SECONDS)
+            training = self.state is WorkerState.TRAINING and not self._aborted.is_set()
+            mark = self._marks.current() if training else None
+            hang = watch.check(mark, time.monotonic(), self._activity if mark is not None else None)
+            if hang is not None:
+                log.warning("%s", hang)
+                self._interrupt(hang, hung=True)
 
     # -- main thread -------------------------------------------------------------------------------
 
@@ -215,7 +236,7 @@ class Worker:
         self.send(Hello(local_rank=self.local_rank, pid=os.getpid()))
         log.info("ready in %.2fs on %s", time.perf_counter() - start, self.device)
         threading.Thread(target=self._read_channel, daemon=True, name="channel").start()
-        threading.Thread(target=self._watch_collectives, daemon=True, name="watchdog").start()
+        threading.Thread(target=self._watch_progress, daemon=True, name="watchdog").start()
         self._move(WorkerState.SPARE)
         while True:
             plan = self._next_plan()
@@ -287,6 +308,7 @@ class Worker:
             abort.release_process_groups()
         self.epoch = 0
         self.store = None
+        self._activity = None
         self._phases["abort"] = self._phases.get("abort", 0.0) + time.perf_counter() - start
 
     def _enter(self, plan: MeshPlan) -> None:
@@ -324,6 +346,7 @@ class Worker:
                 plan, self.rank, self.backend, self.spec.failure_detection.collective_timeout_seconds, interrupted
             )
             phases["rendezvous"] = time.perf_counter() - t
+            self._activity = PeerActivity(self.store)
             self._out_of_step.clear()  # collectives from here on: an interrupt may need to abort them
 
             t = time.perf_counter()
@@ -421,6 +444,7 @@ class Worker:
         dp_rank = plan.sizes.coords_of(self.rank).dp
         logs_samples = self._logs_samples(plan)
         first = True
+        self._limits.reset()  # the epoch's first step is a warm-up: the collective timeout watches it
         while ts.step < self.spec.training.train_iters:
             with self._lock:
                 nxt, shutdown = self._pending, self._shutdown
@@ -431,9 +455,9 @@ class Worker:
                 return
             failure: str | None = None
             self._out_of_step.clear()
-            self._step_started = time.monotonic()
+            step_index = ts.step
+            self._marks.begin(Phase.DATA, step_index)
             try:
-                step_index = ts.step
                 result = train_step(
                     ts,
                     self.source,
@@ -442,6 +466,10 @@ class Worker:
                     self.device,
                     lambda s=step_index: self.faults.maybe_fire(plan.epoch, self.rank, s),
                     aborted=self._aborted.is_set,
+                    data_hook=lambda s=step_index: self.faults.maybe_fire(
+                        plan.epoch, self.rank, s, InjectionPoint.DATA_READ
+                    ),
+                    data_read=lambda s=step_index: self._marks.begin(Phase.STEP, s),
                 )
             except InjectedFault:
                 raise
@@ -450,11 +478,13 @@ class Worker:
                     raise  # a bug or a bad configuration: no reconfiguration will fix it
                 failure = f"{type(err).__name__}: {err}"
             finally:
-                self._step_started = None
+                compute_seconds = self._marks.end()
                 self._out_of_step.set()
             if failure is not None:
                 self._on_step_failure(plan, failure)
                 return
+            if not first:
+                self._limits.record(compute_seconds)
             with self._lock:
                 self._completed = ts.step
             if first:
@@ -523,8 +553,9 @@ class Worker:
         when a collective failed (the failure is then handled like a failed step)."""
         assert self.saver is not None and self.ts is not None
         self._out_of_step.clear()
-        self._step_started = time.monotonic()
+        self._marks.begin(Phase.CHECKPOINT, self.ts.step)
         try:
+            self.faults.maybe_fire(plan.epoch, self.rank, self.ts.step, InjectionPoint.CHECKPOINT)
             outcome = self.saver.after_step(self.ts, plan.epoch, plan.sizes.model_dump())
         except RuntimeError as err:
             if not (self._aborted.is_set() or is_collective_error(err)):
@@ -533,7 +564,7 @@ class Worker:
             self._on_step_failure(plan, f"checkpoint: {type(err).__name__}: {err}")
             return False
         finally:
-            self._step_started = None
+            self._marks.end()
             self._out_of_step.set()
         self._report_checkpoint(plan, outcome)
         return True
@@ -560,6 +591,8 @@ class Worker:
         not our own decision (a newer plan) that stopped it."""
         with self._lock:
             by_plan = self._aborted.is_set() and self._abort_reason.startswith("new plan")
+            if self._aborted.is_set() and self._abort_reason.startswith("hang") and "hang" not in failure:
+                failure = f"{self._abort_reason} ({failure})"  # say why the collective failed
             if self._detected_at is None:
                 self._detected_at, self._detected_wall = time.monotonic(), time.time()
                 self._abort_reason = failure

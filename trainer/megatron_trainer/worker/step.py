@@ -79,6 +79,8 @@ def train_step(
     mid_step_hook: Callable[[], None],
     commit: bool = True,
     aborted: Callable[[], bool] = lambda: False,
+    data_hook: Callable[[], None] = lambda: None,
+    data_read: Callable[[], None] = lambda: None,
 ) -> StepResult:
     """Run step ``ts.step``; on success ``ts.step`` is incremented.
 
@@ -92,12 +94,17 @@ def train_step(
         commit: False discards the gradients and steps the optimizer on zeros (a spare's warm-up:
             kernels, cuBLAS handles and allocator pools are ready before promotion).
         aborted: whether the epoch was aborted; checked while waiting for the step's collectives.
+        data_hook: called while the step's samples are read (fault injection point).
+        data_read: called once every sample of the step is read, before the step's first collective
+            (the watchdog times the data read apart from the rest of the step).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
+    data_hook()
     mbs = list(micro_batches(source, batch, dp_rank, ts.step, device))
+    data_read()
     seq = mbs[0].tokens.shape[1]
     positions = torch.arange(seq, device=device).unsqueeze(0)
     fired = False

@@ -1,0 +1,195 @@
+"""Unit tests of progress-based hang detection (worker/watchdog.py) and its fault hooks.
+
+Scenarios: the step limit is the collective timeout until the epoch has a step time, then
+``multiple x median`` of the recent steps, never below the floor nor above the collective timeout,
+and a new epoch forgets the old times; a multiple of 0 turns it off; a stalled step is judged at
+its limit, not before; a data read or a save is allowed the collective timeout and announces itself
+to the peers through the store; a stalled rank that sees such an announcement postpones its verdict
+by one limit and then decides; a store that fails counts as nobody busy; delay faults fire at
+their injection point only; shutting down a process's TCP connections frees a gloo collective
+blocked on a stopped peer (two real processes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from worker_harness import REPO, make_spec
+
+from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectionPoint
+from megatron_trainer.worker.watchdog import HangWatch, PeerActivity, Phase, PhaseMark, StepLimit
+
+
+def limits(multiple: float = 3.0, floor: float = 1.0, timeout: float = 30.0) -> StepLimit:
+    spec = make_spec(
+        collective_timeout=timeout,
+        detection={"hang_detection_step_multiple": multiple, "hang_detection_floor_seconds": floor},
+    )
+    return StepLimit(spec.failure_detection)
+
+
+def mark(phase: Phase, started: float = 100.0, serial: int = 1, step: int = 5) -> PhaseMark:
+    return PhaseMark(phase=phase, step=step, started=started, serial=serial)
+
+
+def test_step_limit_follows_the_recent_median_between_floor_and_timeout() -> None:
+    lim = limits()
+    assert lim.step_limit() == 30.0  # no step yet: the collective timeout
+    for s in (0.1, 0.1, 0.2):
+        lim.record(s)
+    assert lim.step_limit() == 1.0  # 3 x 0.1 s is under the floor
+    for s in (2.0, 2.0, 2.0, 2.0, 2.0):
+        lim.record(s)
+    assert lim.step_limit() == pytest.approx(6.0)  # median of the last 8: 2.0
+    lim.record(50.0)
+    assert lim.step_limit() == pytest.approx(6.0)  # one outlier does not move the median
+    for _ in range(8):
+        lim.record(20.0)
+    assert lim.step_limit() == 30.0  # capped by the collective timeout
+    lim.reset()
+    assert lim.step_limit() == 30.0  # a new epoch starts over
+    assert lim.allowance(Phase.DATA) == lim.allowance(Phase.CHECKPOINT) == 30.0
+
+
+def test_multiple_zero_keeps_the_collective_timeout() -> None:
+    lim = limits(multiple=0)
+    lim.record(0.1)
+    assert lim.step_limit() == 30.0
+    assert "collective timeout" in lim.describe()
+
+
+def test_stalled_step_is_a_hang_at_its_limit_not_before() -> None:
+    lim = limits()
+    lim.record(0.2)
+    watch = HangWatch(lim)
+    store = dist.HashStore()
+    activity = PeerActivity(store)
+    step = mark(Phase.STEP)
+    assert watch.check(step, 100.4, activity) is None
+    assert watch.check(step, 100.6, activity) is None  # halfway: the peers' counter is read
+    assert watch.check(step, 100.95, activity) is None
+    reason = watch.check(step, 101.05, activity)
+    assert reason is not None and reason.startswith("hang: step 5") and "median step 0.200s" in reason
+
+
+def test_first_step_of_an_epoch_waits_for_the_collective_timeout() -> None:
+    watch = HangWatch(limits(timeout=30.0))  # nothing recorded: the epoch's first step
+    step = mark(Phase.STEP)
+    assert watch.check(step, 129.0, None) is None
+    reason = watch.check(step, 130.1, None)
+    assert reason is not None and "collective timeout" in reason
+
+
+def test_data_read_and_save_get_the_collective_timeout_and_announce_themselves() -> None:
+    lim = limits()
+    lim.record(0.2)  # step limit 1 s
+    store = dist.HashStore()
+    for phase in (Phase.DATA, Phase.CHECKPOINT):
+        watch = HangWatch(lim)
+        busy = PeerActivity(store)
+        before = busy.read()
+        t = 100.0
+        while t < 129.9:
+            assert watch.check(mark(phase), t, busy) is None, f"{phase} at {t - 100:.1f}s"
+            t += 0.05
+        assert busy.read() is not None and busy.read() > before + 100  # every 0.2 s after the first 0.2 s
+        reason = watch.check(mark(phase), 130.1, busy)
+        assert reason is not None and phase.value in reason
+
+
+def test_a_busy_peer_postpones_the_verdict_by_one_limit() -> None:
+    lim = limits()
+    lim.record(0.2)  # step limit 1 s
+    store = dist.HashStore()
+    stalled, peer = HangWatch(lim), HangWatch(lim)
+    mine, theirs = PeerActivity(store), PeerActivity(store)
+    step, reading = mark(Phase.STEP), mark(Phase.DATA)
+    t = 100.0
+    while t < 104.0:  # the peer reads data for 4 s; this rank waits for it in a collective
+        assert peer.check(reading, t, theirs) is None
+        assert stalled.check(step, t, mine) is None, f"false hang at {t - 100:.2f}s"
+        t += 0.05
+    # The peer's read is over; it computes and joins within a limit, or this rank decides.
+    while t < 104.9:
+        assert stalled.check(step, t, mine) is None
+        t += 0.05
+    reason = stalled.check(step, 105.2, mine)
+    assert reason is not None and "no progress" in reason
+
+
+class BrokenStore:
+    def add(self, key: str, value: int) -> int:
+        raise RuntimeError("connection reset")
+
+
+def test_an_unreadable_store_counts_as_nobody_busy() -> None:
+    lim = limits()
+    lim.record(0.2)
+    watch = HangWatch(lim)
+    broken = PeerActivity(BrokenStore())  # type: ignore[arg-type]
+    broken.announce()  # logged, not raised
+    assert watch.check(mark(Phase.STEP), 100.6, broken) is None
+    assert watch.check(mark(Phase.STEP), 101.1, broken) is not None
+
+
+def test_delay_faults_fire_at_their_point_only() -> None:
+    plan = FaultPlan().fail_at(rank=1, step=2, fault=Fault.DELAY, seconds=0.3, point=InjectionPoint.DATA_READ)
+    back = FaultPlan.from_env({ENV_FAULTS: plan.to_env()})
+    assert back.specs == plan.specs
+    assert back.due(epoch=1, rank=1, step=2) is None  # mid-step is another point
+    start = time.monotonic()
+    back.maybe_fire(1, 1, 2, InjectionPoint.CHECKPOINT)
+    assert time.monotonic() - start < 0.1
+    back.maybe_fire(1, 1, 2, InjectionPoint.DATA_READ)
+    assert time.monotonic() - start >= 0.3
+
+
+BLOCKED_RANK = """
+import os, signal, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from megatron_trainer.worker.abort import close_gloo_connections
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+t = torch.ones(8)
+dist.all_reduce(t)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+threading.Timer(0.5, close_gloo_connections).start()
+start = time.monotonic()
+try:
+    dist.all_reduce(t)
+    print("completed", time.monotonic() - start, flush=True)
+except RuntimeError as err:
+    print(repr(str(err)), time.monotonic() - start, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_closing_connections_frees_a_gloo_collective_blocked_on_a_stopped_peer() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BLOCKED_RANK, str(rank), str(store.port)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "trainer"), str(REPO / "contract")])},
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=90)
+        error, seconds = out.strip().rsplit(" ", 1)
+        assert "closed" in error.lower(), error
+        assert float(seconds) < 5, f"the blocked collective returned after {seconds}s (gloo timeout 30 s)"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

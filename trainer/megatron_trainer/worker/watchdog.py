@@ -1,0 +1,235 @@
+"""Progress-based hang detection: a step that takes far longer than the epoch's recent steps is a hang.
+
+A hung rank (a stopped process, a collective that never completes) makes every other rank wait in
+a collective. Waiting out ``collectiveTimeoutSeconds`` (30 s by default) costs most of a recovery,
+so each worker's watchdog thread watches its own progress instead: the main thread marks which
+phase of training it is in (:class:`Phase`), and a step phase that runs past
+
+    limit = min(collectiveTimeoutSeconds, max(hangDetectionFloorSeconds, hangDetectionStepMultiple x median))
+
+where ``median`` is the median time of the last :data:`RECENT_STEPS` steps of this epoch, is a hang.
+Every survivor stalls in the same step, so each one's watchdog fires on its own, within about one
+limit of the hang; the stopped rank itself detects nothing (its supervisor kills it).
+
+What is not a hang, and how it is told apart:
+
+- the first step of an epoch (compilation, allocator warm-up, new communicators): it is never
+  recorded, and with no recent step the limit is the collective timeout;
+- reading the step's data, and a checkpoint save: these are phases of their own
+  (:attr:`Phase.DATA`, :attr:`Phase.CHECKPOINT`) allowed the collective timeout, and not counted in
+  the step time;
+- a *peer's* slow data read or save, which stalls this rank in a collective like a hang would: a
+  rank in such a phase for longer than a fraction of its step limit announces it by incrementing a
+  counter in the epoch's store (:class:`PeerActivity`); a stalled rank reads the counter halfway to
+  its limit and again at the limit, and a changed value (some peer is alive and busy) postpones the
+  decision by one more limit. A stopped peer announces nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+
+import torch.distributed as dist
+
+from megatron_contract.job import FailureDetectionSpec
+
+log = logging.getLogger(__name__)
+
+#: Steps of the current epoch whose median sets the step limit.
+RECENT_STEPS = 8
+
+#: The store key (under the epoch's prefix) busy ranks increment.
+BUSY_KEY = "watchdog/busy"
+
+#: A rank in a data read or save announces itself every ``step limit / ANNOUNCE_DIVISOR`` once the
+#: phase has run that long: a stalled peer's two readings, half a limit apart, always straddle one.
+ANNOUNCE_DIVISOR = 5
+
+
+class Phase(enum.StrEnum):
+    """What the main thread is doing while training."""
+
+    STEP = "step"  # forward/backward, the step's collectives, the optimizer update
+    DATA = "data"  # reading the step's samples (before any collective of the step)
+    CHECKPOINT = "checkpoint"  # starting, polling or completing a checkpoint save (collective)
+
+
+class StepLimit:
+    """How long a step may run in the current epoch, from the epoch's recent step times."""
+
+    def __init__(self, detection: FailureDetectionSpec) -> None:
+        self.ceiling = detection.collective_timeout_seconds
+        self.floor = min(detection.hang_detection_floor_seconds, self.ceiling)
+        self.multiple = detection.hang_detection_step_multiple
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        """A new epoch: its first step is a warm-up, earlier epochs' times say nothing about it."""
+        with self._lock:
+            self._recent.clear()
+
+    def record(self, seconds: float) -> None:
+        """A completed step of this epoch (not its first), data read excluded."""
+        with self._lock:
+            self._recent.append(seconds)
+
+    def median(self) -> float | None:
+        """The median recent step time; None before the epoch has one."""
+        with self._lock:
+            return statistics.median(self._recent) if self._recent else None
+
+    def step_limit(self) -> float:
+        """Seconds the step phase may take before it counts as hung."""
+        median = self.median()
+        if median is None or self.multiple == 0:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.multiple * median))
+
+    def allowance(self, phase: Phase) -> float:
+        """Seconds ``phase`` may take: a data read or a save gets the collective timeout."""
+        return self.step_limit() if phase is Phase.STEP else self.ceiling
+
+    def describe(self) -> str:
+        """How the step limit was set, for a log line or a report."""
+        median = self.median()
+        if median is None or self.multiple == 0:
+            return f"collective timeout {self.ceiling:g}s"
+        return f"{self.multiple:g} x median step {median:.3f}s, floor {self.floor:g}s, cap {self.ceiling:g}s"
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMark:
+    """The phase the main thread entered, at which step, and when (monotonic)."""
+
+    phase: Phase
+    step: int
+    started: float
+    serial: int  # tells two consecutive phases of the same kind and step apart
+
+
+class ProgressMarks:
+    """The main thread's current phase, readable by the watchdog thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mark: PhaseMark | None = None
+        self._serial = 0
+
+    def begin(self, phase: Phase, step: int) -> None:
+        """Enter ``phase`` of step ``step`` (ends the previous phase)."""
+        with self._lock:
+            self._serial += 1
+            self._mark = PhaseMark(phase, step, time.monotonic(), self._serial)
+
+    def end(self) -> float:
+        """Leave the current phase; returns how long it ran (0 when none)."""
+        with self._lock:
+            mark, self._mark = self._mark, None
+        return time.monotonic() - mark.started if mark is not None else 0.0
+
+    def current(self) -> PhaseMark | None:
+        """The phase in progress, if any."""
+        with self._lock:
+            return self._mark
+
+
+class PeerActivity:
+    """Through the epoch's store: announce that this rank is alive but busy, and see whether any
+    peer did. One counter for the whole epoch, so a reading costs one store request whatever the
+    world size; only slow phases write, and only stalled ranks read."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self._baseline: int | None = None
+
+    def announce(self) -> None:
+        """This rank is alive, in a phase that may keep its peers waiting (a store error is ignored:
+        the peers then decide as if nobody were busy)."""
+        try:
+            self.store.add(BUSY_KEY, 1)
+        except Exception as err:  # the store may be gone with its host: detection goes on
+            log.warning("could not announce a busy phase: %s", err)
+
+    def read(self) -> int | None:
+        """The counter now (``add`` of 0 never blocks on a missing key); None when unreadable."""
+        try:
+            return int(self.store.add(BUSY_KEY, 0))
+        except Exception as err:  # an unreadable store proves no peer alive
+            log.warning("could not read the peers' busy counter: %s", err)
+            return None
+
+    def set_baseline(self) -> None:
+        """Remember the counter; :meth:`busy_since_baseline` compares against it."""
+        self._baseline = self.read()
+
+    def busy_since_baseline(self) -> bool:
+        """Whether some peer announced itself since the baseline; the baseline moves to now."""
+        value = self.read()
+        busy = self._baseline is not None and value is not None and value != self._baseline
+        self._baseline = value
+        return busy
+
+    def clear(self) -> None:
+        """Forget the baseline (the stalled phase ended)."""
+        self._baseline = None
+
+
+class HangWatch:
+    """The watchdog's decision, one :meth:`check` per tick: the reason to abort the epoch, or None.
+
+    Side effects through ``activity``: announces this rank while it is in a long data read or save,
+    and reads the peers' announcements while its own step is stalled."""
+
+    def __init__(self, limits: StepLimit) -> None:
+        self.limits = limits
+        self._announced_at = 0.0
+        self._stalled: int | None = None  # serial of the step phase being judged
+        self._deadline = 0.0  # when the stalled step phase is judged (next)
+
+    def check(self, mark: PhaseMark | None, now: float, activity: PeerActivity | None) -> str | None:
+        """Judge the main thread's phase ``mark`` at monotonic time ``now``."""
+        if mark is None:
+            self._forget(activity)
+            return None
+        elapsed = now - mark.started
+        limit = self.limits.step_limit()
+        if mark.phase is not Phase.STEP:
+            self._forget(activity)
+            allowance = self.limits.allowance(mark.phase)
+            if elapsed > allowance:
+                return f"hang: {mark.phase.value} of step {mark.step} running for more than {allowance:g}s"
+            period = limit / ANNOUNCE_DIVISOR
+            if activity is not None and elapsed > period and now - self._announced_at >= period:
+                activity.announce()
+                self._announced_at = now
+            return None
+        if elapsed > self.limits.ceiling:
+            return f"hang: step {mark.step} running for more than the collective timeout {self.limits.ceiling:g}s"
+        if limit >= self.limits.ceiling:
+            return None  # no recent step time (first step of the epoch): the collective timeout decides
+        if self._stalled != mark.serial:
+            if elapsed < limit / 2:
+                return None
+            self._stalled, self._deadline = mark.serial, mark.started + limit
+            if activity is not None:
+                activity.set_baseline()  # halfway: what the peers had announced so far
+        if now < self._deadline:
+            return None
+        if activity is not None and activity.busy_since_baseline():
+            self._deadline = now + limit  # a peer is alive and reading data or saving: give it a limit more
+            return None
+        return (
+            f"hang: step {mark.step} made no progress for {elapsed:.2f}s (limit {limit:.2f}s: {self.limits.describe()})"
+        )
+
+    def _forget(self, activity: PeerActivity | None) -> None:
+        self._stalled = None
+        if activity is not None:
+            activity.clear()
