@@ -40,6 +40,8 @@ KWOK_POD_OCTETS = range(64, 150)
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_RESOURCE = "nvidia.com/gpu"
 STATE_FILE = "cluster.json"
+#: Pod addresses each process-node agent of a cluster hands out (see add_process_nodes).
+IPS_PER_AGENT = 2000
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -91,6 +93,7 @@ class LocalCluster:
         rng = random.SystemRandom()
         self.kwok_pod_cidr = f"127.{rng.choice(KWOK_POD_OCTETS)}.0.1/16"
         self.process_pod_prefix = f"127.{rng.choice(PROCESS_POD_OCTETS)}"
+        self._agents_started = 0  # node agents ever added: each gets its own block of pod IPs
 
     # -- paths ------------------------------------------------------------------------------------
 
@@ -443,9 +446,18 @@ class LocalCluster:
         """
         start = len([a for a in self.node_agents for _ in a.node_list])
         names = [f"{prefix}-{start + i}" for i in range(count)]
+        # Pod IPs: every agent of this cluster draws from the same 127.P range, each from a block of
+        # its own (2,000 addresses), so pods of two agents never share an address.
         agent = NodeAgent(
-            self.kubeconfig, names, self.workdir, gpus_per_node, pool=prefix, ip_prefix=self.process_pod_prefix
+            self.kubeconfig,
+            names,
+            self.workdir,
+            gpus_per_node,
+            pool=prefix,
+            ip_prefix=self.process_pod_prefix,
+            first_ip=1 + self._agents_started * IPS_PER_AGENT,
         ).start()
+        self._agents_started += 1
         self.node_agents.append(agent)
         self._wait(lambda: all(self.node_ready(n) for n in names), "node agent", 30)
         return agent

@@ -120,6 +120,7 @@ class NodeAgent:
         gpus_per_node: int = 8,
         pool: str = "local",
         ip_prefix: str = "127.150",
+        first_ip: int = 1,
     ) -> None:
         self.api = KubeApi(kubeconfig)
         self.ip_prefix = ip_prefix
@@ -135,7 +136,8 @@ class NodeAgent:
         self._waiting_ip: dict[str, str] = {}  # the address a waiting pod keeps across its retries
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._next_ip = 1
+        # Agents of one cluster share ip_prefix: each hands out its own block, from first_ip on.
+        self._next_ip = first_ip
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle --------------------------------------------------------------------------------

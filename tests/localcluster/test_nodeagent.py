@@ -198,3 +198,14 @@ def test_the_default_container_of_a_pod_with_sidecars_runs(
     create(local_cluster, namespace, pod, "pods")
     failed = wait_pod(local_cluster, namespace, "unnamed", "Failed")
     assert DEFAULT_CONTAINER_ANNOTATION in failed["status"]["message"]
+
+
+def test_two_node_agents_never_give_two_pods_one_address(local_cluster: LocalCluster, node_agent: NodeAgent) -> None:
+    """Agents of one cluster share the pod range 127.P: each must hand out its own addresses (two
+    pools running at once once gave a pod the address, and so the control port, of another)."""
+    other = local_cluster.add_process_nodes(1, gpus_per_node=1, prefix="proc2")
+    first = {node_agent._allocate_ip() for _ in range(300)}
+    second = {other._allocate_ip() for _ in range(300)}
+    assert len(first) == len(second) == 300
+    assert not first & second
+    assert all(ip.startswith(node_agent.ip_prefix + ".") for ip in first | second)
