@@ -1,4 +1,5 @@
-"""Pure builders of a job's children: worker and spare pods, the headless Service, the token Secret.
+"""Pure builders of a job's children: worker and spare pods, the headless Service, the token Secret,
+the PodDisruptionBudget of its workers.
 
 Every function returns a plain dict ready for the API server; nothing here talks to it.
 """
@@ -126,6 +127,42 @@ def build_service(job: JobRef) -> dict[str, Any]:
                 {"name": "agent", "port": wire.AGENT_PORT, "targetPort": wire.AGENT_PORT},
                 {"name": "rendezvous", "port": wire.RENDEZVOUS_PORT, "targetPort": wire.RENDEZVOUS_PORT},
             ],
+        },
+    }
+
+
+def disruption_budget_name(job: JobRef) -> str:
+    """The PodDisruptionBudget of a job's workers."""
+    return job.name
+
+
+def build_disruption_budget(job: JobRef, spec: MegatronJobSpec) -> dict[str, Any]:
+    """The PodDisruptionBudget that keeps voluntary evictions (a node drain) from taking a worker
+    behind the operator's back: no worker pod may be evicted.
+
+    ``minAvailable`` is every worker pod of the full mesh, a number: the disruption controller
+    counts the pods themselves (``maxUnavailable`` or a percentage would need a scale subresource
+    of the job, whose replicas are data-parallel replicas, not pods). After a shrink fewer workers
+    run than that, which refuses evictions all the same.
+
+    Spares are outside it (losing one costs a warm-up, not a recovery), and so are pods the operator
+    relabels out of the mesh (``retired``): a worker leaves through the operator, which moves its
+    ranks first. A worker that is not Ready (hung, failing) may still be evicted
+    (``unhealthyPodEvictionPolicy: AlwaysAllow``): it holds nothing a drain could save.
+    """
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": disruption_budget_name(job),
+            "namespace": job.namespace,
+            "labels": child_labels(job),
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {
+            "minAvailable": spec.worker_pods,
+            "selector": {"matchLabels": {**child_labels(job), wire.LABEL_ROLE: wire.ROLE_WORKER}},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 

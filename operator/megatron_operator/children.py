@@ -34,6 +34,7 @@ class Child(enum.StrEnum):
 
     SECRET = "Secret"
     SERVICE = "Service"
+    DISRUPTION_BUDGET = "PodDisruptionBudget"
     POD = "Pod"
 
 

@@ -68,6 +68,14 @@ SECRET_MISSING_WAIT = "CreateContainerConfigError"
 SECRET_PROMPT_SECONDS = 2.0
 
 
+#: The reason of the CreateFailed condition and event when a kind of child cannot be applied.
+_FAILED_CREATE = {
+    Child.SECRET: Reason.FAILED_CREATE_SECRET,
+    Child.SERVICE: Reason.FAILED_CREATE_SERVICE,
+    Child.DISRUPTION_BUDGET: Reason.FAILED_CREATE_DISRUPTION_BUDGET,
+}
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -518,6 +526,7 @@ class JobController:
         if generation != self._children_generation:  # an edited spec may have fixed what failed
             self._children_generation = generation
             self.backoffs[Child.POD].succeeded()
+            self.children_due = True  # and the budget counts the workers of spec.replicas
         await self._ensure_children(pods, pods_wanted=count > 0)
         self._settle_starts(pods, now)
         created: list[str] = []
@@ -588,11 +597,12 @@ class JobController:
                         outcome.messages[-1])
 
     async def _ensure_children(self, pods: list[PodFacts], *, pods_wanted: bool) -> None:
-        """Apply the token Secret and the Service when due; never raises (failures back off instead).
+        """Apply the token Secret, the Service and the workers' PodDisruptionBudget when due; never
+        raises (failures back off instead).
 
-        The Service is applied when the watch saw it deleted and periodically; the Secret (which the
-        operator may not watch) periodically, before pods are created, and when a pod cannot start
-        for want of it. An apply of an unchanged child changes nothing.
+        The Service and the budget are applied when the watch saw them deleted and periodically; the
+        Secret (which the operator may not watch) periodically, before pods are created, and when a
+        pod cannot start for want of it. An apply of an unchanged child changes nothing.
         """
         now = time.monotonic()
         periodic = now - self._children_checked >= self.settings.children_check_seconds
@@ -604,9 +614,11 @@ class JobController:
             Child.SECRET: periodic or self.children_due or pods_wanted
             or (stuck and now - self._secret_applied >= SECRET_PROMPT_SECONDS),
             Child.SERVICE: periodic or self.children_due,
+            Child.DISRUPTION_BUDGET: periodic or self.children_due,
         }
         self.children_due = False
-        apply = {Child.SECRET: self._apply_secret, Child.SERVICE: self._apply_service}
+        apply = {Child.SECRET: self._apply_secret, Child.SERVICE: self._apply_service,
+                 Child.DISRUPTION_BUDGET: self._apply_disruption_budget}
         go = [k for k in apply if (wanted[k] or self.backoffs[k].failures) and self.backoffs[k].ready(now)]
         if not go:
             return
@@ -616,14 +628,12 @@ class JobController:
                 raise result
             backoff = self.backoffs[kind]
             if isinstance(result, BaseException):
-                reason = Reason.FAILED_CREATE_SECRET if kind is Child.SECRET else Reason.FAILED_CREATE_SERVICE
-                backoff.failed(now, reason, f"applying {kind.value}: {kube.error_message(result)}")
+                backoff.failed(now, _FAILED_CREATE[kind], f"applying {kind.value}: {kube.error_message(result)}")
                 log.warning("%s/%s: %s (failure %d in a row)", self.job.namespace, self.job.name, backoff.error,
                             backoff.failures)
             else:
                 backoff.succeeded()
-                self._resolved.add(Reason.FAILED_CREATE_SECRET if kind is Child.SECRET
-                                   else Reason.FAILED_CREATE_SERVICE)
+                self._resolved.add(_FAILED_CREATE[kind])
 
     async def _apply_secret(self) -> None:
         if self.token is None:
@@ -633,6 +643,10 @@ class JobController:
 
     async def _apply_service(self) -> None:
         await kube.apply_service(builders.build_service(self.job))
+
+    async def _apply_disruption_budget(self) -> None:
+        spec = MegatronJobSpec.model_validate(self.body["spec"])
+        await kube.apply_disruption_budget(builders.build_disruption_budget(self.job, spec))
 
     async def _report_children(self) -> None:
         """Write the ``CreateFailed`` condition when it changes, and say why in an event."""

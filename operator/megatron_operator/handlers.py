@@ -152,6 +152,13 @@ def service_event(type: str | None, namespace: str | None, labels: Mapping[str, 
         REGISTRY.children_gone(namespace or "", labels[wire.LABEL_JOB])
 
 
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={wire.LABEL_JOB: kopf.PRESENT})
+def disruption_budget_event(type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    """A job's PodDisruptionBudget deleted: apply it again now, or a drain could take a worker meanwhile."""
+    if type == "DELETED":
+        REGISTRY.children_gone(namespace or "", labels[wire.LABEL_JOB])
+
+
 @kopf.on.event("nodes")
 def node_event(type: str | None, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]

@@ -61,6 +61,10 @@ def _core() -> client.CoreV1Api:
     return client.CoreV1Api(configure())
 
 
+def _policy() -> client.PolicyV1Api:
+    return client.PolicyV1Api(configure())
+
+
 def _custom() -> client.CustomObjectsApi:
     return client.CustomObjectsApi(configure())
 
@@ -108,6 +112,12 @@ async def apply_service(body: dict[str, Any]) -> None:
     """Server-side apply the headless Service: created when missing, left as is when it matches."""
     meta = body["metadata"]
     await _call(_core().patch_namespaced_service, meta["name"], meta["namespace"], body, **_APPLY)
+
+
+async def apply_disruption_budget(body: dict[str, Any]) -> None:
+    """Server-side apply the workers' PodDisruptionBudget: created when missing, restored when changed."""
+    meta = body["metadata"]
+    await _call(_policy().patch_namespaced_pod_disruption_budget, meta["name"], meta["namespace"], body, **_APPLY)
 
 
 async def apply_secret(body: dict[str, Any]) -> None:

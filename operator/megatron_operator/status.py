@@ -47,6 +47,7 @@ class Reason:
     # The CreateFailed condition (and its Warning events): a child the operator cannot create.
     FAILED_CREATE_SECRET = "FailedCreateSecret"
     FAILED_CREATE_SERVICE = "FailedCreateService"
+    FAILED_CREATE_DISRUPTION_BUDGET = "FailedCreatePodDisruptionBudget"
     FAILED_CREATE_POD = "FailedCreatePod"
     PODS_FAIL_AT_START = "PodsFailingAtStart"
     CHILDREN_CREATED = "ChildrenCreated"

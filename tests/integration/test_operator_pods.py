@@ -1,5 +1,6 @@
 """Production pods: the operator as a real process against the real local control plane (kwok nodes,
-recording stand-ins for the agents), with ``spec.template`` and ``spec.failureDomain``.
+recording stand-ins for the agents), with ``spec.template``, ``spec.failureDomain`` and the job's
+PodDisruptionBudget.
 
 Scenarios:
 - a job with a pod template (an extra volume and its mount, an env variable, a sidecar, an init
@@ -8,6 +9,8 @@ Scenarios:
   the pods run, and a killed worker is replaced by the spare, which carries the template too;
 - the production example's pods (worker and spare), built by the operator, pass the API server's
   pod validation (a server-side dry run);
+- the job's PodDisruptionBudget (owned by the job) lets the eviction API take a spare but no worker
+  (429, naming the budget), and comes back at once when deleted;
 - failure domains: the job's pods land on different nodes (spread over kubernetes.io/hostname), and
   a killed worker is replaced by the spare outside its rack (the job's topology label), not by the
   spare the planner would take first without domains.
@@ -144,3 +147,35 @@ def test_the_production_examples_pods_pass_pod_validation(local_cluster: Any, na
         trainer = body["spec"]["containers"][0]
         assert trainer["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def _evict(h: Harness, pod: str) -> tuple[int, Any]:
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": h.ns}}
+    result: tuple[int, Any] = h.cluster.request("POST", f"/api/v1/namespaces/{h.ns}/pods/{pod}/eviction", eviction)
+    return result
+
+
+def test_the_disruption_budget_lets_evictions_take_spares_but_no_worker(h: Harness) -> None:
+    h.add_nodes(2)
+    h.start_operator(MEGATRON_OPERATOR_CHILDREN_CHECK_SECONDS="3600")  # so that only the watch restores it
+    h.submit(replicas=2, spares=1, min_replicas=1)
+    status = h.wait_running(1)
+    path = f"/apis/policy/v1/namespaces/{h.ns}/poddisruptionbudgets/{JOB}"
+    pdb = wait_for(lambda: (b := h.api.get(path)) and b.get("status", {}).get("currentHealthy") == 2 and b, T,
+                   "the budget counting both workers")
+    assert pdb["spec"]["minAvailable"] == 2 and pdb["status"]["disruptionsAllowed"] == 0
+    assert pdb["spec"]["selector"]["matchLabels"] == {wire.LABEL_JOB: JOB, wire.LABEL_ROLE: wire.ROLE_WORKER}
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == h.api.job(JOB)["metadata"]["uid"]
+    worker = h.members(status)[0]
+    code, body = _evict(h, worker)
+    assert code == 429 and "disruption budget" in str(body), (code, body)
+    spare = next(n for n in h.pod_names() if n not in h.members(status))
+    code, body = _evict(h, spare)
+    assert code == 201, (code, body)
+    wait_for(lambda: spare not in h.pod_names() and len(h.api.running_pods(JOB)) == 3, T, "the spare replaced")
+    assert h.api.status(JOB)["epoch"] == 1  # a spare's going changes no plan
+    # Deleted, it comes back at once (the operator watches budgets), not at the periodic check.
+    old = pdb["metadata"]["uid"]
+    code, body = h.cluster.request("DELETE", path)
+    assert code == 200, body
+    wait_for(lambda: (b := h.api.get(path)) and b["metadata"]["uid"] != old, 10, "the budget recreated")

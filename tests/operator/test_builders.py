@@ -5,7 +5,8 @@ preference for nodes without workers), request ``nvidia.com/gpu`` = gpusPerPod, 
 no service-account token, the env the agent reads (token from the Secret, pod name/IP from the
 downward API, spec as JSON without the pod template), owner reference and labels; user env never
 overrides ours; the checkpoint PVC is mounted; a bad role is refused; the headless Service publishes
-not-ready pods; the Secret holds the token it is given; long names stay valid DNS labels.
+not-ready pods; the Secret holds the token it is given; the PodDisruptionBudget covers the job's workers
+(not its spares) with minAvailable = every worker pod, as a number; long names stay valid DNS labels.
 
 ``spec.template`` merged with what the operator owns: the template's volumes, mounts, env, extra
 resources, sidecars, init containers, labels, annotations and pod fields (priorityClassName,
@@ -122,6 +123,16 @@ def test_service_and_secret() -> None:
     secret = builders.build_secret(JOB, "tok")
     assert secret["data"] == {wire.TOKEN_SECRET_KEY: base64.b64encode(b"tok").decode()}
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_the_disruption_budget_covers_every_worker_and_no_spare() -> None:
+    pdb = builders.build_disruption_budget(JOB, make_spec(replicas=4, tp=2, pp=2, gpus_per_pod=2))
+    assert pdb["apiVersion"] == "policy/v1" and pdb["metadata"]["name"] == "llm"
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # A number, not maxUnavailable or a percentage: those need a scale subresource of the job.
+    assert pdb["spec"]["minAvailable"] == 8  # 4 replicas of 2 pods each
+    assert pdb["spec"]["selector"] == {"matchLabels": {wire.LABEL_JOB: "llm", wire.LABEL_ROLE: wire.ROLE_WORKER}}
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def test_long_names_stay_dns_labels() -> None:
