@@ -3,9 +3,11 @@
 With four GPUs (the default; ``--gpus N`` for N >= 3 alike), pods a, b, c train (TP=1, DP=N-1,
 one GPU each) and s is a warm spare. In order:
 
-1. hang: c is SIGSTOPped at a random moment inside a step. The survivors notice by the collective
-   timeout (``--collective-timeout``), abort and report; the script, as agent, kills c and, as
-   operator, plans s into c's rank with state broadcast from a DP peer;
+1. hang: c is SIGSTOPped at a random moment inside a step. The survivors notice that their step
+   stalls past max(``--hang-floor``, ``--hang-step-multiple`` x the epoch's median step) (the job's
+   failureDetection defaults; ``--hang-step-multiple 0`` waits for ``--collective-timeout``
+   instead), abort and report; the script, as agent, kills c and, as operator, plans s into c's
+   rank with state broadcast from a DP peer;
 2. shrink: b is SIGKILLed mid-step with no spare left; DP shrinks by one with the global batch kept;
 3. grow: pod d boots on b's GPU and joins at a step boundary ahead of training (DP back up),
    receiving state from a DP peer.
@@ -49,6 +51,10 @@ PHASES = ("step_exit", "abort", "rendezvous", "rebuild", "restore", "verify", "f
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--collective-timeout", type=float, default=5.0)
+    parser.add_argument(
+        "--hang-step-multiple", type=float, default=3.0, help="hangDetectionStepMultiple (0: the collective timeout)"
+    )
+    parser.add_argument("--hang-floor", type=float, default=1.0, help="hangDetectionFloorSeconds")
     parser.add_argument("--steps-between", type=int, default=4, help="steps trained between two scenarios")
     parser.add_argument("--hang-last", action="store_true", help="shrink and grow first, the hang last")
     add_job_args(parser)
@@ -65,6 +71,13 @@ def main() -> int:
         parser.error(f"--gpus {args.gpus}, but this machine has {torch.cuda.device_count()}")
     rng = random.Random(args.seed)
     spec = job_spec(args, dp=trainers, train_iters=1_000_000, collective_timeout=args.collective_timeout)
+    detection = spec.failure_detection.model_copy(
+        update={
+            "hang_detection_step_multiple": args.hang_step_multiple,
+            "hang_detection_floor_seconds": args.hang_floor,
+        }
+    )
+    spec = spec.model_copy(update={"failure_detection": detection})
     cluster = WorkerCluster(spec, Path(tempfile.mkdtemp(prefix="scenarios-")))
     device_of: dict[str, int] = {}
     rows: list[dict[str, Any]] = []
@@ -103,8 +116,8 @@ def main() -> int:
         )
 
     def hang(members: list[str], victim: str, spare: str | None) -> list[str]:
-        """SIGSTOP ``victim``; the survivors' collective timeout detects it; ``spare`` takes its rank
-        (without a spare the survivors go on alone)."""
+        """SIGSTOP ``victim``; the survivors' watchdogs detect it (their step stalls); ``spare`` takes
+        its rank (without a spare the survivors go on alone)."""
         survivors = [p for p in members if p != victim]
         mid_step(victim)
         stopped_at = inject_into(cluster.pods[victim][0].process.pid, Fault.SIGSTOP)
