@@ -185,7 +185,7 @@ class FaultInjector:
             timer.start()
             self._timers.append(timer)
             self.victims.add(pod)
-            return node, f"Ready again after {NODE_DOWN_SECONDS:.0f} s"
+            return f"node {node}", f"(pod {pod}) Ready again after {NODE_DOWN_SECONDS:.0f} s"
         if kind == "operator_restart":
             down = round(self.rng.uniform(0.2, 3.0), 2)
             self.operator.kill()
@@ -550,10 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--faults", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=0, help="training steps (default: 40 per fault, at least 120)")
+    parser.add_argument("--iters", type=int, default=0, help="training steps (default: 12 per fault, at least 160)")
     parser.add_argument("--out", type=Path, help="write the run's record (JSON) here")
     args = parser.parse_args(argv)
-    iters = args.iters or max(120, 40 * args.faults)
+    iters = args.iters or max(160, 12 * args.faults)
     workdir = REPO_ROOT / ".localcluster" / "chaos"
     cluster = LocalCluster(workdir)
     try:
