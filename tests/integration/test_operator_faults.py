@@ -88,8 +88,9 @@ def test_only_the_lease_holder_acts_and_standby_takes_over(h: Harness) -> None:
     h.api.delete_pod(h.members(status)[0])
     status = h.wait_running(2, timeout=60)
     assert _lease_holder(h) == "standby"
-    assert "plan epoch 2 stored" in standby.log_text()
-    assert "plan epoch 2" not in leader.log_text()
+    # The leader made the first plan and died; the standby made the second, once.
+    assert "plan epoch 1 stored" in leader.log_text()
+    assert standby.log_text().count("plan epoch 2 stored") == 1
 
 
 def test_status_converges_while_another_client_keeps_writing_the_job(h: Harness) -> None:
