@@ -10,7 +10,8 @@ stalled past max(1 s, 3 x the epoch's median step) is a hang):
   (``hangDetectionStepMultiple: 0``) waits out the collective timeout: the comparison is printed;
 - a slow first step of the epoch (one rank sleeps 4 s mid-step in step 0): no report, no re-mesh;
 - a slow data read (one rank's samples take 4 s to read, at step 4): no report, no re-mesh;
-- a slow checkpoint save (a synchronous save, one rank 4 s slower than the others): no report.
+- a slow checkpoint save (a synchronous save, one rank 4 s slower than the others after the save's
+  collectives, so they wait for it in the next step): no report.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class InjectionPoint(enum.StrEnum):
 
     MID_STEP = "midStep"  # after the first micro-batch's forward pass
     DATA_READ = "dataRead"  # while the step's samples are read, before any collective of the step
-    CHECKPOINT = "checkpoint"  # when the checkpoint saver runs after the step (step = steps completed)
+    CHECKPOINT = "checkpoint"  # at the end of the checkpoint saver's work after the step, past its collectives
 
 
 class InjectedFault(RuntimeError):

@@ -555,8 +555,9 @@ class Worker:
         self._out_of_step.clear()
         self._marks.begin(Phase.CHECKPOINT, self.ts.step)
         try:
-            self.faults.maybe_fire(plan.epoch, self.rank, self.ts.step, InjectionPoint.CHECKPOINT)
             outcome = self.saver.after_step(self.ts, plan.epoch, plan.sizes.model_dump())
+            # After the save's collectives: the peers go on and wait for this rank in the next step.
+            self.faults.maybe_fire(plan.epoch, self.rank, self.ts.step, InjectionPoint.CHECKPOINT)
         except RuntimeError as err:
             if not (self._aborted.is_set() or is_collective_error(err)):
                 raise
