@@ -234,12 +234,15 @@ class FaultInjector:
         if not files:
             return directory.name, "no data file"
         victim = files[-1]
+        # A random offset: flipping the same byte twice would mend the checkpoint.
+        offset = self.rng.randrange(victim.stat().st_size) if victim.stat().st_size else 0
         with victim.open("r+b") as f:
-            f.seek(victim.stat().st_size // 2)
+            f.seek(offset)
             byte = f.read(1)
-            f.seek(-1, 1)
+            f.seek(offset)
             f.write(bytes([(byte[0] if byte else 0) ^ 0xFF]))
-        return f"{directory.name}/{victim.relative_to(directory)}", f"one byte flipped (checkpoint of step {step})"
+        where = f"{directory.name}/{victim.relative_to(directory)}"
+        return where, f"byte {offset} flipped (checkpoint of step {step})"
 
     def heal(self) -> None:
         """Undo what outlives a fault: nodes back to Ready, stopped workers continued."""
