@@ -14,7 +14,6 @@ server prunes and, with kubectl's strict field validation, rejects unknown field
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 from pydantic_core import core_schema
 
+from megatron_contract.generated import generator_main
 from megatron_contract.job import NAME_RULE, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.wire import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 
@@ -187,25 +187,15 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="write crds/ and the chart's copy")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the committed files differ")
-    args = parser.parse_args(argv)
     text = render()
-    if args.write:
-        for path in OUTPUTS:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path.relative_to(REPO_ROOT)}")
-        return 0
-    if args.check:
-        stale = [p for p in OUTPUTS if not p.exists() or p.read_text() != text]
-        for path in stale:
-            print(f"{path.relative_to(REPO_ROOT)} differs from the models; run `make crds`", file=sys.stderr)
-        return 1 if stale else 0
-    sys.stdout.write(text)
-    return 0
+    return generator_main(
+        argv,
+        description=__doc__.splitlines()[0],
+        render=lambda: dict.fromkeys(OUTPUTS, text),
+        source="the models",
+        remedy="make crds",
+        root=REPO_ROOT,
+    )
 
 
 if __name__ == "__main__":

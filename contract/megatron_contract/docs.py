@@ -11,7 +11,6 @@ description. Constraints are read from the model's JSON schema, the same one the
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import functools
@@ -26,6 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
+from megatron_contract.generated import generator_main
 from megatron_contract.job import MegatronJobSpec, MegatronJobStatus
 from megatron_contract.wire import API_VERSION, KIND, PLURAL, SHORT_NAMES
 
@@ -232,24 +232,14 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="write docs/api.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the committed file differs")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.write:
-        OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-        OUTPUT.write_text(text)
-        print(f"wrote {OUTPUT.relative_to(REPO_ROOT)}")
-        return 0
-    if args.check:
-        if not OUTPUT.exists() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(REPO_ROOT)} differs from the models; run `make docs`", file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return generator_main(
+        argv,
+        description=__doc__.splitlines()[0],
+        render=lambda: {OUTPUT: render()},
+        source="the models",
+        remedy="make docs",
+        root=REPO_ROOT,
+    )
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ mode also flags nested keys of documented objects, and only warns).
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from localcluster import build
+from megatron_contract.generated import generator_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "megatron-operator"
@@ -74,33 +74,22 @@ def replace_table(document: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the table in docs/configuration.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the committed table differs")
-    args = parser.parse_args(argv)
-    try:
-        table = values_table(build.build(build.HELM_DOCS))
-        current = DOC.read_text()
-        wanted = replace_table(current, table)
-    except (build.BuildError, ChartDocsError, OSError) as err:
-        print(f"chart_docs: {err}", file=sys.stderr)
-        return 2
-    if args.write:
-        if wanted != current:
-            DOC.write_text(wanted)
-        print(f"wrote the values table of {DOC.relative_to(REPO_ROOT)}")
-        return 0
-    if args.check:
-        if wanted != current:
-            print(
-                f"the values table of {DOC.relative_to(REPO_ROOT)} differs from values.yaml; run `make docs`",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    sys.stdout.write(table + "\n")
-    return 0
+    table: list[str] = []
+
+    def render() -> dict[Path, str]:
+        table.append(values_table(build.build(build.HELM_DOCS)))
+        return {DOC: replace_table(DOC.read_text(), table[0])}
+
+    return generator_main(
+        argv,
+        description=__doc__.splitlines()[0],
+        render=render,
+        source="values.yaml (its values table)",
+        remedy="make docs",
+        root=REPO_ROOT,
+        preview=lambda _: table[0] + "\n",
+        errors=(build.BuildError, ChartDocsError, OSError),
+    )
 
 
 if __name__ == "__main__":
