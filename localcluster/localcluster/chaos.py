@@ -277,7 +277,9 @@ def chaos_job(name: str, pool: str, samples: Path, iters: int, spares: int, chec
         "failureDetection": {
             "heartbeatIntervalSeconds": 1,
             "heartbeatTimeoutSeconds": 10,
-            "collectiveTimeoutSeconds": 5,
+            "collectiveTimeoutSeconds": 8,
+            # CPU steps of processes sharing two cores stall for seconds: a hang is a stall past 4 s.
+            "hangDetectionFloorSeconds": 4,
         },
         "maxRecoveries": 1000,
     }

@@ -35,6 +35,8 @@ def make_elastic_job(
             "heartbeatIntervalSeconds": 1,
             "heartbeatTimeoutSeconds": 20,
             "collectiveTimeoutSeconds": 15,
+            # CPU steps of processes sharing two cores stall for seconds: a hang is a stall past 5 s.
+            "hangDetectionFloorSeconds": 5,
         },
         "maxRecoveries": 5,
     }
