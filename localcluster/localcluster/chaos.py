@@ -56,11 +56,16 @@ FAULTS = (
 )
 PHASES = ("step", "recovery", "promotion", "save", "before_checkpoint")
 JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
+STUCK_SECONDS = 180.0  # no committed step for this long, faults or not: the job is stuck (a violation)
 NODE_DOWN_SECONDS = 8.0  # a NotReady node comes back after this (its pods kept running, or were failed)
 
 
 class ChaosError(RuntimeError):
     """The run could not go on (the job never trained, a wait timed out)."""
+
+
+class _Stuck(Exception):
+    """The job stopped training during the run (recorded as a violation)."""
 
 
 @dataclasses.dataclass
@@ -439,6 +444,7 @@ def run(
             if code != 201:
                 raise ChaosError(f"could not create {body['metadata']['name']}: {code} {resp}")
         _wait(lambda: (injector.status().get("step") or 0) >= 3, "the job to train 3 steps", 300)
+        progress = (3, time.monotonic())  # (newest step seen, when): a job that stops training is stuck
         previous_epoch = injector.status().get("epoch", 0)
         for i, d in enumerate(draw(seed, faults)):
             status = injector.status()
@@ -447,6 +453,17 @@ def run(
                 break
             target = _await_phase(injector, d, previous_epoch, iters)
             status = injector.status()
+            step = status.get("step") or 0
+            if step > progress[0]:
+                progress = (step, time.monotonic())
+            elif time.monotonic() - progress[1] > STUCK_SECONDS:
+                stuck = (
+                    f"no step committed for {time.monotonic() - progress[1]:.0f} s (at step {step}, phase "
+                    f"{status.get('phase')}, epoch {status.get('epoch')}) after fault {len(injected)}"
+                )
+                say(f"[chaos] {stuck}: stopping")
+                violations.append(f"the job is stuck: {stuck}")
+                break
             previous_epoch = status.get("epoch", previous_epoch)
             try:
                 where, detail = injector.inject(d.kind, target)
@@ -462,6 +479,8 @@ def run(
             )
             if not d.together:
                 time.sleep(d.pause)
+        if violations:  # stuck: no point waiting for the end
+            raise _Stuck
         final = _wait(
             lambda: (s := injector.status()).get("phase") in ("Succeeded", "Failed") and s,
             "the job to end",
@@ -494,6 +513,10 @@ def run(
                     f"losses differ from the failure-free run at steps "
                     f"{record['losses']['unequalWhileFullMesh'][:20]} (full mesh)"
                 )
+    except (_Stuck, ChaosError) as err:
+        if not isinstance(err, _Stuck):
+            violations.append(str(err))
+        record["phase"] = injector.status().get("phase")
     finally:
         injector.heal()
         for job in (name, ref_name):
