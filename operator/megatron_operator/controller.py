@@ -614,11 +614,13 @@ class JobController:
             Child.SECRET: periodic or self.children_due or pods_wanted
             or (stuck and now - self._secret_applied >= SECRET_PROMPT_SECONDS),
             Child.SERVICE: periodic or self.children_due,
-            Child.DISRUPTION_BUDGET: periodic or self.children_due,
+            Child.DISRUPTION_BUDGET: self.settings.disruption_budgets and (periodic or self.children_due),
         }
         self.children_due = False
         apply = {Child.SECRET: self._apply_secret, Child.SERVICE: self._apply_service,
                  Child.DISRUPTION_BUDGET: self._apply_disruption_budget}
+        if not self.settings.disruption_budgets:
+            del apply[Child.DISRUPTION_BUDGET]
         go = [k for k in apply if (wanted[k] or self.backoffs[k].failures) and self.backoffs[k].ready(now)]
         if not go:
             return

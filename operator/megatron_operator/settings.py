@@ -29,6 +29,7 @@ ENV_FULL_MESH_WAIT = f"{ENV_PREFIX}FULL_MESH_WAIT_SECONDS"
 ENV_CRASH_AT = f"{ENV_PREFIX}CRASH_AT"
 ENV_TOKEN_KEY_FILE = f"{ENV_PREFIX}TOKEN_KEY_FILE"
 ENV_CHILDREN_CHECK_SECONDS = f"{ENV_PREFIX}CHILDREN_CHECK_SECONDS"
+ENV_DISRUPTION_BUDGETS = f"{ENV_PREFIX}DISRUPTION_BUDGETS"
 ENV_KUBECONFIG = "KUBECONFIG"
 
 
@@ -70,6 +71,13 @@ class OperatorSettings(BaseSettings):
         description="How often each job's token Secret is re-applied (recreated when deleted). The operator "
         "cannot watch Secrets (it may not read them); it also re-applies the Secret before creating pods and "
         "when a pod cannot start for want of it, and recreates the Service as soon as it sees it deleted.",
+    )
+    disruption_budgets: bool = Field(
+        default=False,
+        description="Give each job a PodDisruptionBudget over its worker pods, so that no voluntary eviction "
+        "(a node drain) takes a worker. Off by default: the operator does not yet move a worker's ranks off a "
+        "draining node by itself, so with budgets a drain waits until the worker pod is deleted by hand; "
+        "without them an evicted worker is replaced like a failed one.",
     )
     crash_at: str | None = Field(
         default=None,

@@ -157,7 +157,8 @@ def _evict(h: Harness, pod: str) -> tuple[int, Any]:
 
 def test_the_disruption_budget_lets_evictions_take_spares_but_no_worker(h: Harness) -> None:
     h.add_nodes(2)
-    h.start_operator(MEGATRON_OPERATOR_CHILDREN_CHECK_SECONDS="3600")  # so that only the watch restores it
+    # Budgets are opt-in; a long periodic check so that only the watch restores a deleted one.
+    h.start_operator(MEGATRON_OPERATOR_DISRUPTION_BUDGETS="true", MEGATRON_OPERATOR_CHILDREN_CHECK_SECONDS="3600")
     h.submit(replicas=2, spares=1, min_replicas=1)
     status = h.wait_running(1)
     path = f"/apis/policy/v1/namespaces/{h.ns}/poddisruptionbudgets/{JOB}"
