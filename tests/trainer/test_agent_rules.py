@@ -7,7 +7,9 @@ Scenarios:
   409; a good plan parses;
 - worker lifecycle: allowed transitions pass, forbidden ones raise; the pod state derived from
   workers' phases (failure dominates, slowest worker wins, mixed is reconfiguring);
-- hang deadline: a worker that just reported a checkpoint step gets the save's grace;
+- hang deadline: a worker that just reported a checkpoint step gets the save's grace; a worker
+  whose watchdog last said it is in a step with a progress limit counts as stopped after twice that
+  limit (at least 2 s); in a data read, a save, or with no limit, the hang timeout decides;
 - phase times: instants (``*_at``, ``*_unix``) and invalid values stay out of the durations;
 - settings: read from an environment mapping with defaults from the spec; each missing or
   malformed variable is named in the error.
@@ -32,7 +34,8 @@ from megatron_trainer.agent.plan_acceptance import (
     parse_plan,
 )
 from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError, hang_timeout_for
-from megatron_trainer.agent.supervisor import silence_allowed
+from megatron_trainer.agent.supervisor import silence_allowed, stopped_silence
+from megatron_trainer.channel import Alive
 
 PODS = [PodAddress("p0", "127.0.0.1"), PodAddress("p1", "127.0.0.2")]
 
@@ -158,6 +161,16 @@ def test_a_checkpoint_step_allows_a_longer_silence() -> None:
     assert silence_allowed(13, last_step=0, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 13
     assert silence_allowed(13, last_step=10, checkpoint_interval_steps=None, checkpoint_grace_seconds=600) == 13
     assert silence_allowed(13, last_step=None, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 13
+
+
+def test_a_worker_silent_in_a_step_is_stopped_after_twice_its_progress_limit() -> None:
+    assert stopped_silence(None) is None
+    assert stopped_silence(Alive(epoch=1, phase="step", step_limit_seconds=3.0)) == 6.0
+    assert stopped_silence(Alive(epoch=1, phase="step", step_limit_seconds=0.5)) == 2.0  # the minimum
+    assert stopped_silence(Alive(epoch=1, phase="step")) is None  # first step: the collective timeout
+    assert stopped_silence(Alive(epoch=1, phase="data", step_limit_seconds=1.0)) is None
+    assert stopped_silence(Alive(epoch=1, phase="checkpoint", step_limit_seconds=1.0)) is None
+    assert stopped_silence(Alive(epoch=1, step_limit_seconds=1.0)) is None  # between steps, or aborting
 
 
 # -- metrics --------------------------------------------------------------------------------------

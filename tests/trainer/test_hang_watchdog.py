@@ -1,8 +1,9 @@
 """Unit tests of progress-based hang detection (worker/watchdog.py) and its fault hooks.
 
-Scenarios: the step limit is the collective timeout until the epoch has a step time, then
-``multiple x median`` of the recent steps, never below the floor nor above the collective timeout,
-and a new epoch forgets the old times; a multiple of 0 turns it off; a stalled step is judged at
+Scenarios: the step limit is the collective timeout until the epoch has three step times (its
+first step and the step after a checkpoint save are warm-ups, never recorded), then ``multiple x
+median`` of the recent steps, never below the floor (at least 5 s on gloo) nor above the collective
+timeout, and a new epoch forgets the old times; a multiple of 0 turns it off; a stalled step is judged at
 its limit, not before; a data read or a save is allowed the collective timeout and announces itself
 to the peers through the store; a stalled rank that sees such an announcement postpones its verdict
 by one limit and then decides; a store that fails counts as nobody busy; delay faults fire at
@@ -33,6 +34,13 @@ def limits(multiple: float = 3.0, floor: float = 1.0, timeout: float = 30.0) -> 
     return StepLimit(spec.failure_detection)
 
 
+def warmed(lim: StepLimit, *seconds: float) -> StepLimit:
+    """``lim`` after a warm-up step (never recorded) and steps of ``seconds``."""
+    for s in (99.0, *seconds):
+        lim.record(s)
+    return lim
+
+
 def mark(phase: Phase, started: float = 100.0, serial: int = 1, step: int = 5) -> PhaseMark:
     return PhaseMark(phase=phase, step=step, started=started, serial=serial)
 
@@ -40,8 +48,12 @@ def mark(phase: Phase, started: float = 100.0, serial: int = 1, step: int = 5) -
 def test_step_limit_follows_the_recent_median_between_floor_and_timeout() -> None:
     lim = limits()
     assert lim.step_limit() == 30.0  # no step yet: the collective timeout
-    for s in (0.1, 0.1, 0.2):
+    lim.record(5.0)
+    assert lim.step_limit() == 30.0  # the epoch's first step is a warm-up, not recorded
+    for s in (0.1, 0.2):
         lim.record(s)
+    assert lim.step_limit() == 30.0  # two steps are not enough to go by
+    lim.record(0.1)
     assert lim.step_limit() == 1.0  # 3 x 0.1 s is under the floor
     for s in (2.0, 2.0, 2.0, 2.0, 2.0):
         lim.record(s)
@@ -56,16 +68,30 @@ def test_step_limit_follows_the_recent_median_between_floor_and_timeout() -> Non
     assert lim.allowance(Phase.DATA) == lim.allowance(Phase.CHECKPOINT) == 30.0
 
 
+def test_the_step_after_a_save_is_a_warm_up() -> None:
+    lim = warmed(limits(), 0.2, 0.2, 0.2)
+    assert lim.step_limit() == 1.0
+    lim.warm_up_next()
+    assert lim.step_limit() == 30.0
+    lim.record(3.0)  # the slow step after the save: allowed, and not recorded
+    assert lim.step_limit() == 1.0 and lim.median() == 0.2
+
+
+def test_gloo_floor_is_at_least_five_seconds() -> None:
+    spec = make_spec(collective_timeout=30.0)
+    lim = warmed(StepLimit(spec.failure_detection, min_floor=5.0), 0.2, 0.2, 0.2)
+    assert lim.step_limit() == 5.0
+
+
 def test_multiple_zero_keeps_the_collective_timeout() -> None:
-    lim = limits(multiple=0)
-    lim.record(0.1)
+    lim = warmed(limits(multiple=0), 0.1, 0.1, 0.1)
     assert lim.step_limit() == 30.0
     assert "collective timeout" in lim.describe()
 
 
 def test_stalled_step_is_a_hang_at_its_limit_not_before() -> None:
     lim = limits()
-    lim.record(0.2)
+    warmed(lim, 0.2, 0.2, 0.2)
     watch = HangWatch(lim)
     store = dist.HashStore()
     activity = PeerActivity(store)
@@ -87,7 +113,7 @@ def test_first_step_of_an_epoch_waits_for_the_collective_timeout() -> None:
 
 def test_data_read_and_save_get_the_collective_timeout_and_announce_themselves() -> None:
     lim = limits()
-    lim.record(0.2)  # step limit 1 s
+    warmed(lim, 0.2, 0.2, 0.2)  # step limit 1 s
     store = dist.HashStore()
     for phase in (Phase.DATA, Phase.CHECKPOINT):
         watch = HangWatch(lim)
@@ -104,7 +130,7 @@ def test_data_read_and_save_get_the_collective_timeout_and_announce_themselves()
 
 def test_a_busy_peer_postpones_the_verdict_by_one_limit() -> None:
     lim = limits()
-    lim.record(0.2)  # step limit 1 s
+    warmed(lim, 0.2, 0.2, 0.2)  # step limit 1 s
     store = dist.HashStore()
     stalled, peer = HangWatch(lim), HangWatch(lim)
     mine, theirs = PeerActivity(store), PeerActivity(store)
@@ -129,7 +155,7 @@ class BrokenStore:
 
 def test_an_unreadable_store_counts_as_nobody_busy() -> None:
     lim = limits()
-    lim.record(0.2)
+    warmed(lim, 0.2, 0.2, 0.2)
     watch = HangWatch(lim)
     broken = PeerActivity(BrokenStore())  # type: ignore[arg-type]
     broken.announce()  # logged, not raised

@@ -2,15 +2,16 @@
 GPT, TP=2, DP=2; the test plays agent and operator through ``worker_harness``).
 
 Scenarios, all with ``collectiveTimeoutSeconds`` = 30 s and the default detection settings (a step
-stalled past max(1 s, 3 x the epoch's median step) is a hang):
+stalled past max(floor, 3 x the epoch's median step) is a hang; the floor is 1 s, at least 5 s on
+gloo, whose CPU steps jitter by seconds on shared cores):
 
 - a SIGSTOPped rank mid-step: every survivor reports the hang within a few seconds, not at the
   collective timeout; the harness kills the stopped pod, the spare takes its ranks, and training
   finishes with every step committed once. The same scenario with progress detection turned off
   (``hangDetectionStepMultiple: 0``) waits out the collective timeout: the comparison is printed;
-- a slow first step of the epoch (one rank sleeps 4 s mid-step in step 0): no report, no re-mesh;
-- a slow data read (one rank's samples take 4 s to read, at step 4): no report, no re-mesh;
-- a slow checkpoint save (a synchronous save, one rank 4 s slower than the others after the save's
+- a slow first step of the epoch (one rank sleeps 8 s mid-step in step 0): no report, no re-mesh;
+- a slow data read (one rank's samples take 8 s to read, at step 4): no report, no re-mesh;
+- a slow checkpoint save (a synchronous save, one rank 8 s slower than the others after the save's
   collectives, so they wait for it in the next step): no report.
 """
 
@@ -34,9 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 COLLECTIVE_TIMEOUT = 30.0
 TRAIN_ITERS = 8
-HANG_STEP = 3
+HANG_STEP = 5  # steps 1-4 set the limit (step 0 is the epoch's warm-up)
 HANG_RANK = 1  # tp rank 1 of replica 0, in pod "a"
-SLOW_SECONDS = 4.0  # far past the step limit (1 s: CPU steps of the tiny model take ~0.1-0.3 s)
+SLOW_SECONDS = 8.0  # past the step limit (the 5 s gloo floor: CPU steps of the tiny model take ~0.2-0.9 s)
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@ The test process plays agent and operator (see ``worker_harness``). Scenarios:
 - SIGKILL of one worker mid-step with a spare pod present: the survivors' collectives fail, they
   report it, the spare takes the failed pod's ranks and receives state from its DP peers, and the
   loss of every step equals the failure-free run bit for bit;
-- SIGSTOP of one worker (a hang) with a spare: the survivors detect it by the collective timeout
-  and report it, the harness (as supervisor) kills the stopped pod, recovery as above, same loss;
+- SIGSTOP of one worker (a hang) with a spare: the survivors detect it by their stalled step
+  (progress watchdog, long before the collective timeout) and report it, the harness (as
+  supervisor) kills the stopped pod, recovery as above, same loss (``test_worker_hangs`` covers
+  the detection itself);
 - SIGKILL with no spare: the data-parallel degree shrinks to 1 with the global batch unchanged,
   then a returning pod grows it back to 2; every sample of every step is consumed exactly once;
 - SIGKILL of the only replica (no DP peer holds its state): the spare loads the newest complete
@@ -124,7 +126,7 @@ def test_sigkill_with_spare_recovers_with_identical_loss(
     assert all("abort" in p.phases and "detected_at_unix" in p.phases for p in survivor_phases)
 
 
-def test_sigstop_with_spare_detected_by_collective_timeout(
+def test_sigstop_with_spare_detected_by_progress(
     tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
 ) -> None:
     spec = make_spec(spares=1, train_iters=TRAIN_ITERS, collective_timeout=8.0)
@@ -132,7 +134,7 @@ def test_sigstop_with_spare_detected_by_collective_timeout(
     make_cluster.append(cluster)
     start_with_spare(cluster)
     hung = cluster.pods["a"][FAULT_RANK]
-    # Everyone else notices on their own (collective timeout, then the cascade of closed groups).
+    # Everyone else notices on their own (a stalled step, then the cascade of closed connections).
     cluster.wait_failed_reports(["b"], epoch=1)
     partner = cluster.pods["a"][0]
     wait_for(lambda: partner.of_type(CollectiveFailed), 60, "the hung worker's TP partner to report")

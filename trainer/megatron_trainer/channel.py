@@ -100,6 +100,17 @@ class PhaseTimes(WireModel):
     phases: dict[str, float]
 
 
+class Alive(WireModel):
+    """Sent by a training worker's watchdog thread several times a second: the process runs (a
+    stopped one sends nothing), what its main thread is doing, and how long its step may stall
+    before its own watchdog calls it a hang (None while the collective timeout applies)."""
+
+    type: Literal["alive"] = "alive"
+    epoch: int
+    phase: Literal["step", "data", "checkpoint"] | None = None
+    step_limit_seconds: float | None = None
+
+
 class CollectiveFailed(WireModel):
     """A collective with a peer failed or hung; the agent forwards it to the operator."""
 
@@ -112,7 +123,7 @@ class CollectiveFailed(WireModel):
 
 ToWorker = Annotated[Assign | Shutdown, Field(discriminator="type")]
 ToAgent = Annotated[
-    Hello | WorkerStatus | Progress | CheckpointSaved | CheckpointProblem | PhaseTimes | CollectiveFailed,
+    Hello | WorkerStatus | Progress | CheckpointSaved | CheckpointProblem | PhaseTimes | CollectiveFailed | Alive,
     Field(discriminator="type"),
 ]
 _TO_WORKER: TypeAdapter[ToWorker] = TypeAdapter(ToWorker)

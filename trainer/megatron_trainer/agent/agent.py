@@ -25,6 +25,7 @@ from megatron_trainer.agent.rendezvous_host import RendezvousHost
 from megatron_trainer.agent.settings import AgentSettings
 from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor, worker_environment
 from megatron_trainer.channel import (
+    Alive,
     Assign,
     CheckpointProblem,
     CheckpointSaved,
@@ -214,6 +215,9 @@ class Agent:
             log.warning("worker %d: %s (ignored)", handle.local_rank, err)
 
     def _on_worker_message(self, handle: WorkerHandle, message: ToAgent) -> None:
+        if isinstance(message, Alive):
+            handle.last_alive = message  # several a second: nothing else to update
+            return
         if isinstance(message, Hello):
             handle.hello = True
             log.info("worker %d ready (pid %d)", message.local_rank, message.pid)

@@ -4,8 +4,12 @@ Each worker gets its own socketpair (a worker killed mid-write must not jam the 
 does a shared queue). The agent's end is read with asyncio, so a stopped or slow worker never blocks
 the control port. A worker is dead when its channel hits EOF and its exit code is collected; it
 is hung when it is training and has sent nothing for longer than the hang timeout, and then the
-supervisor kills it (SIGKILL works on a SIGSTOPped process too). What to do about either is the
-agent's decision, through the callbacks.
+supervisor kills it (SIGKILL works on a SIGSTOPped process too). A training worker's watchdog
+thread sends :class:`~megatron_trainer.channel.Alive` several times a second; while the last one
+says the worker is in a step with a progress limit, a silence of twice that limit (at least
+:data:`STOPPED_MIN_SILENCE_SECONDS`) already means the process is stopped, so a stopped worker is
+killed, and its pod reported, within seconds rather than after the collective timeout. What to do
+about either is the agent's decision, through the callbacks.
 """
 
 from __future__ import annotations
@@ -25,9 +29,16 @@ from pydantic import TypeAdapter, ValidationError
 
 from megatron_contract import wire
 from megatron_trainer.agent.lifecycle import WorkerPhase, check_transition
-from megatron_trainer.channel import Progress, Shutdown, ToAgent, ToWorker
+from megatron_trainer.channel import Alive, Progress, Shutdown, ToAgent, ToWorker
 
 log = logging.getLogger(__name__)
+
+#: A worker in a step sends Alive every ~0.25 s: this much silence (or twice its step limit, if
+#: more) means it is stopped, not slow. Generous against scheduling hiccups on loaded machines.
+STOPPED_MIN_SILENCE_SECONDS = 2.0
+STOPPED_LIMIT_MULTIPLE = 2.0
+#: How often the supervisor looks for hung workers (at most).
+HANG_CHECK_SECONDS = 0.25
 
 _TO_AGENT: TypeAdapter[ToAgent] = TypeAdapter(ToAgent)
 # Worker messages are small; a line this long means a broken worker, not a big message.
@@ -46,6 +57,7 @@ class WorkerHandle:
     hello: bool = False
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     progress: Progress | None = None
+    last_alive: Alive | None = None  # the worker watchdog's last word
     exit_code: int | None = None
     kill_reason: str | None = None
     pump: asyncio.Task[None] | None = None
@@ -100,6 +112,15 @@ def silence_allowed(
         and last_step % checkpoint_interval_steps == 0
     )
     return hang_timeout_seconds + (checkpoint_grace_seconds if saving else 0.0)
+
+
+def stopped_silence(alive: Alive | None) -> float | None:
+    """How long a worker whose last :class:`Alive` is ``alive`` may be silent before it counts as
+    stopped; None when that says nothing (no Alive, or not in a step with a progress limit: a data
+    read or a save may hold the interpreter lock for long, and the hang timeout decides)."""
+    if alive is None or alive.phase != "step" or alive.step_limit_seconds is None:
+        return None
+    return max(STOPPED_MIN_SILENCE_SECONDS, STOPPED_LIMIT_MULTIPLE * alive.step_limit_seconds)
 
 
 MessageHandler = Callable[[WorkerHandle, ToAgent], None]
@@ -198,13 +219,16 @@ class WorkerSupervisor:
     # -- hangs -----------------------------------------------------------------------------------
 
     def allowed_silence(self, handle: WorkerHandle) -> float:
-        """Seconds ``handle`` may stay silent while training (see :func:`silence_allowed`)."""
-        return silence_allowed(
+        """Seconds ``handle`` may stay silent while training (see :func:`silence_allowed` and
+        :func:`stopped_silence`)."""
+        allowed = silence_allowed(
             self.hang_timeout_seconds,
             handle.progress.step if handle.progress is not None else None,
             self.checkpoint_interval_steps,
             self.checkpoint_grace_seconds,
         )
+        stopped = stopped_silence(handle.last_alive)
+        return allowed if stopped is None else min(allowed, stopped)
 
     def find_hung(self, now: float) -> list[WorkerHandle]:
         """Training workers silent for longer than they may be."""
@@ -229,7 +253,7 @@ class WorkerSupervisor:
         """Check for hung workers several times per hang timeout."""
 
         async def watch() -> None:
-            period = min(1.0, self.hang_timeout_seconds / 5)
+            period = min(HANG_CHECK_SECONDS, self.hang_timeout_seconds / 5)
             while True:
                 await asyncio.sleep(period)
                 now = time.monotonic()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSourceKind
 from megatron_trainer.channel import (
+    Alive,
     Assign,
     Channel,
     CheckpointProblem,
@@ -63,7 +64,14 @@ from megatron_trainer.worker.peer_restore import restore_from_peers
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.step import StepAborted, guard_commit, train_step
 from megatron_trainer.worker.verify import StateMismatch, verify_state
-from megatron_trainer.worker.watchdog import HangWatch, PeerActivity, Phase, ProgressMarks, StepLimit
+from megatron_trainer.worker.watchdog import (
+    GLOO_FLOOR_SECONDS,
+    HangWatch,
+    PeerActivity,
+    Phase,
+    ProgressMarks,
+    StepLimit,
+)
 
 log = logging.getLogger("megatron_trainer.worker")
 
@@ -72,6 +80,8 @@ ABORT_GRACE_SECONDS = 0.5
 
 #: How often the watchdog thread looks at the main thread's progress.
 WATCHDOG_TICK_SECONDS = 0.05
+#: How often a training worker tells its agent it is alive (a stopped process cannot).
+ALIVE_SECONDS = 0.25
 
 _COLLECTIVE_ERROR_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "abort", "socket", "peer")
 
@@ -118,7 +128,9 @@ class Worker:
         self._detected_at: float | None = None  # monotonic time the current failure was noticed
         self._detected_wall: float | None = None
         self._marks = ProgressMarks()  # the main thread's training phase, for the watchdog
-        self._limits = StepLimit(self.spec.failure_detection)  # the epoch's recent step times
+        self._limits = StepLimit(  # the epoch's recent step times
+            self.spec.failure_detection, min_floor=GLOO_FLOOR_SECONDS if self.backend == "gloo" else 0.0
+        )
         self._activity: PeerActivity | None = None  # the epoch's busy-peer counter (store)
         self._out_of_step = threading.Event()  # set while the main thread runs no training step
         self._out_of_step.set()
@@ -218,10 +230,23 @@ class Worker:
     def _watch_progress(self) -> None:
         """Judge the main thread's progress every tick (worker/watchdog.py); abort on a hang."""
         watch = HangWatch(self._limits)
+        said_alive = 0.0
         while True:
             time.sleep(WATCHDOG_TICK_SECONDS)
             training = self.state is WorkerState.TRAINING and not self._aborted.is_set()
             mark = self._marks.current() if training else None
+            now = time.monotonic()
+            # Also while an aborted step unwinds (phase None): the agent then waits the hang timeout.
+            if self.state is WorkerState.TRAINING and now - said_alive >= ALIVE_SECONDS:
+                limit = self._limits.step_limit()
+                self.send(
+                    Alive(
+                        epoch=self.epoch,
+                        phase=mark.phase.value if mark is not None else None,
+                        step_limit_seconds=limit if limit < self._limits.ceiling else None,
+                    )
+                )
+                said_alive = now
             hang = watch.check(mark, time.monotonic(), self._activity if mark is not None else None)
             if hang is not None:
                 log.warning("%s", hang)
@@ -483,8 +508,7 @@ class Worker:
             if failure is not None:
                 self._on_step_failure(plan, failure)
                 return
-            if not first:
-                self._limits.record(compute_seconds)
+            self._limits.record(compute_seconds)  # not when it was a warm-up step (worker/watchdog.py)
             with self._lock:
                 self._completed = ts.step
             if first:
@@ -565,8 +589,10 @@ class Worker:
             self._on_step_failure(plan, f"checkpoint: {type(err).__name__}: {err}")
             return False
         finally:
-            self._marks.end()
+            took = self._marks.end()
             self._out_of_step.set()
+        if outcome.completed or self.saver.in_flight is not None or took > self._limits.step_limit() / 2:
+            self._limits.warm_up_next()  # a save ran or is being written: the next step may be slow
         self._report_checkpoint(plan, outcome)
         return True
 

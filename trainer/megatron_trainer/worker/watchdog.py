@@ -7,14 +7,19 @@ phase of training it is in (:class:`Phase`), and a step phase that runs past
 
     limit = min(collectiveTimeoutSeconds, max(hangDetectionFloorSeconds, hangDetectionStepMultiple x median))
 
-where ``median`` is the median time of the last :data:`RECENT_STEPS` steps of this epoch, is a hang.
+where ``median`` is the median time of the last :data:`RECENT_STEPS` steps of this epoch (once it has
+:data:`MIN_RECORDED_STEPS`), is a hang. On gloo (CPU: tests, the demo) the floor is at least
+:data:`GLOO_FLOOR_SECONDS`: processes there share a few cores and their steps jitter by whole
+seconds (measured on 2 shared cores: a 0.3 s median step, then a step past 1 s with no fault).
 Every survivor stalls in the same step, so each one's watchdog fires on its own, within about one
 limit of the hang; the stopped rank itself detects nothing (its supervisor kills it).
 
 What is not a hang, and how it is told apart:
 
-- the first step of an epoch (compilation, allocator warm-up, new communicators): it is never
-  recorded, and with no recent step the limit is the collective timeout;
+- the first step of an epoch (compilation, allocator warm-up, new communicators), and the step
+  after a checkpoint save or while one is being written in the background (the writer competes for
+  the host; measured on CPU: the step after a 1.4 s synchronous save took over 1 s against a 0.2 s
+  median): these are warm-up steps, never recorded, allowed the collective timeout;
 - reading the step's data, and a checkpoint save: these are phases of their own
   (:attr:`Phase.DATA`, :attr:`Phase.CHECKPOINT`) allowed the collective timeout, and not counted in
   the step time;
@@ -43,6 +48,10 @@ log = logging.getLogger(__name__)
 
 #: Steps of the current epoch whose median sets the step limit.
 RECENT_STEPS = 8
+#: Recorded steps (warm-ups excluded) the epoch needs before the limit adapts.
+MIN_RECORDED_STEPS = 3
+#: The least floor on gloo (CPU), whatever ``hangDetectionFloorSeconds`` says.
+GLOO_FLOOR_SECONDS = 5.0
 
 #: The store key (under the epoch's prefix) busy ranks increment.
 BUSY_KEY = "watchdog/busy"
@@ -63,32 +72,44 @@ class Phase(enum.StrEnum):
 class StepLimit:
     """How long a step may run in the current epoch, from the epoch's recent step times."""
 
-    def __init__(self, detection: FailureDetectionSpec) -> None:
+    def __init__(self, detection: FailureDetectionSpec, min_floor: float = 0.0) -> None:
         self.ceiling = detection.collective_timeout_seconds
-        self.floor = min(detection.hang_detection_floor_seconds, self.ceiling)
+        self.floor = min(max(detection.hang_detection_floor_seconds, min_floor), self.ceiling)
         self.multiple = detection.hang_detection_step_multiple
         self._recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self._lock = threading.Lock()
+        self._warm_up = True  # the next step is a warm-up: collective timeout, not recorded
 
     def reset(self) -> None:
         """A new epoch: its first step is a warm-up, earlier epochs' times say nothing about it."""
         with self._lock:
             self._recent.clear()
+            self._warm_up = True
+
+    def warm_up_next(self) -> None:
+        """The next step is a warm-up too (a checkpoint save just ran, or is being written)."""
+        with self._lock:
+            self._warm_up = True
 
     def record(self, seconds: float) -> None:
-        """A completed step of this epoch (not its first), data read excluded."""
+        """A completed step of this epoch, data read excluded; a warm-up step is not recorded."""
         with self._lock:
-            self._recent.append(seconds)
+            if self._warm_up:
+                self._warm_up = False
+            else:
+                self._recent.append(seconds)
 
     def median(self) -> float | None:
-        """The median recent step time; None before the epoch has one."""
+        """The median recent step time; None before the epoch has recorded enough steps."""
         with self._lock:
-            return statistics.median(self._recent) if self._recent else None
+            return statistics.median(self._recent) if len(self._recent) >= MIN_RECORDED_STEPS else None
 
     def step_limit(self) -> float:
         """Seconds the step phase may take before it counts as hung."""
+        with self._lock:
+            warm_up = self._warm_up
         median = self.median()
-        if median is None or self.multiple == 0:
+        if median is None or self.multiple == 0 or warm_up:
             return self.ceiling
         return min(self.ceiling, max(self.floor, self.multiple * median))
 
@@ -99,7 +120,7 @@ class StepLimit:
     def describe(self) -> str:
         """How the step limit was set, for a log line or a report."""
         median = self.median()
-        if median is None or self.multiple == 0:
+        if median is None or self.multiple == 0 or self.step_limit() == self.ceiling:
             return f"collective timeout {self.ceiling:g}s"
         return f"{self.multiple:g} x median step {median:.3f}s, floor {self.floor:g}s, cap {self.ceiling:g}s"
 
