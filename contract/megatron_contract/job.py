@@ -286,15 +286,18 @@ class FailureDetectionSpec(WireModel):
         description=(
             "A training step (its data read excluded) that runs longer than this many times the median of the"
             " epoch's recent steps is a hang: the worker aborts the epoch and reports it, without waiting for"
-            " collectiveTimeoutSeconds. The first step of an epoch, checkpoint saves and data reads are allowed"
-            " collectiveTimeoutSeconds. 0 turns progress-based detection off."
+            " collectiveTimeoutSeconds. The first step of an epoch, the step after a checkpoint save, checkpoint"
+            " saves and data reads are allowed collectiveTimeoutSeconds. 0 turns progress-based detection off."
         ),
     )
     hang_detection_floor_seconds: float = Field(
         default=1.0,
         gt=0,
         le=3600,
-        description="The shortest step limit progress-based hang detection uses, however fast the steps are.",
+        description=(
+            "The shortest step limit progress-based hang detection uses, however fast the steps are"
+            " (at least 5 s on CPU/gloo, whose steps jitter by seconds on shared cores)."
+        ),
     )
 
     model_config = ConfigDict(
