@@ -8,8 +8,8 @@ Scenarios:
 - worker lifecycle: allowed transitions pass, forbidden ones raise; the pod state derived from
   workers' phases (failure dominates, slowest worker wins, mixed is reconfiguring);
 - hang deadline: a worker that just reported a checkpoint step gets the save's grace; a worker
-  whose watchdog last said it is in a step with a progress limit counts as stopped after twice that
-  limit (at least 2 s); in a data read, a save, or with no limit, the hang timeout decides;
+  whose watchdog last gave a progress limit (in a step or between two) counts as stopped after
+  twice that limit (at least 2 s); in a data read, a save, or with no limit, the hang timeout decides;
 - phase times: instants (``*_at``, ``*_unix``) and invalid values stay out of the durations;
 - settings: read from an environment mapping with defaults from the spec; each missing or
   malformed variable is named in the error.
@@ -170,7 +170,8 @@ def test_a_worker_silent_in_a_step_is_stopped_after_twice_its_progress_limit() -
     assert stopped_silence(Alive(epoch=1, phase="step")) is None  # first step: the collective timeout
     assert stopped_silence(Alive(epoch=1, phase="data", step_limit_seconds=1.0)) is None
     assert stopped_silence(Alive(epoch=1, phase="checkpoint", step_limit_seconds=1.0)) is None
-    assert stopped_silence(Alive(epoch=1, step_limit_seconds=1.0)) is None  # between steps, or aborting
+    assert stopped_silence(Alive(epoch=1, step_limit_seconds=1.0)) == 2.0  # between two steps
+    assert stopped_silence(Alive(epoch=1)) is None  # an aborted step unwinding
 
 
 # -- metrics --------------------------------------------------------------------------------------

@@ -102,8 +102,9 @@ class PhaseTimes(WireModel):
 
 class Alive(WireModel):
     """Sent by a training worker's watchdog thread several times a second: the process runs (a
-    stopped one sends nothing), what its main thread is doing, and how long its step may stall
-    before its own watchdog calls it a hang (None while the collective timeout applies)."""
+    stopped one sends nothing), what its main thread is doing (None: between steps), and how long
+    its step may stall before its own watchdog calls it a hang (None while the collective timeout
+    applies, or while an aborted step unwinds)."""
 
     type: Literal["alive"] = "alive"
     epoch: int

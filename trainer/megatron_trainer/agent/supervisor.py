@@ -6,7 +6,7 @@ the control port. A worker is dead when its channel hits EOF and its exit code i
 is hung when it is training and has sent nothing for longer than the hang timeout, and then the
 supervisor kills it (SIGKILL works on a SIGSTOPped process too). A training worker's watchdog
 thread sends :class:`~megatron_trainer.channel.Alive` several times a second; while the last one
-says the worker is in a step with a progress limit, a silence of twice that limit (at least
+gives a progress limit and no data read or save, a silence of twice that limit (at least
 :data:`STOPPED_MIN_SILENCE_SECONDS`) already means the process is stopped, so a stopped worker is
 killed, and its pod reported, within seconds rather than after the collective timeout. What to do
 about either is the agent's decision, through the callbacks.
@@ -116,9 +116,10 @@ def silence_allowed(
 
 def stopped_silence(alive: Alive | None) -> float | None:
     """How long a worker whose last :class:`Alive` is ``alive`` may be silent before it counts as
-    stopped; None when that says nothing (no Alive, or not in a step with a progress limit: a data
-    read or a save may hold the interpreter lock for long, and the hang timeout decides)."""
-    if alive is None or alive.phase != "step" or alive.step_limit_seconds is None:
+    stopped; None when that says nothing (no Alive, no progress limit, or in a data read or a save,
+    which may hold the interpreter lock for long: the hang timeout decides). Between two steps
+    counts like a step: the last Alive before a stop is as likely to fall there."""
+    if alive is None or alive.phase in ("data", "checkpoint") or alive.step_limit_seconds is None:
         return None
     return max(STOPPED_MIN_SILENCE_SECONDS, STOPPED_LIMIT_MULTIPLE * alive.step_limit_seconds)
 

@@ -228,29 +228,38 @@ class Worker:
     # -- watchdog thread ---------------------------------------------------------------------------
 
     def _watch_progress(self) -> None:
-        """Judge the main thread's progress every tick (worker/watchdog.py); abort on a hang."""
+        """Judge the main thread's progress every tick (worker/watchdog.py); abort on a hang. A bug
+        in one tick is logged, never the end of the watchdog."""
         watch = HangWatch(self._limits)
         said_alive = 0.0
         while True:
             time.sleep(WATCHDOG_TICK_SECONDS)
-            training = self.state is WorkerState.TRAINING and not self._aborted.is_set()
-            mark = self._marks.current() if training else None
-            now = time.monotonic()
-            # Also while an aborted step unwinds (phase None): the agent then waits the hang timeout.
-            if self.state is WorkerState.TRAINING and now - said_alive >= ALIVE_SECONDS:
-                limit = self._limits.step_limit()
-                self.send(
-                    Alive(
-                        epoch=self.epoch,
-                        phase=mark.phase.value if mark is not None else None,
-                        step_limit_seconds=limit if limit < self._limits.ceiling else None,
-                    )
+            try:
+                said_alive = self._watch_tick(watch, said_alive)
+            except Exception:
+                log.exception("watchdog tick failed")
+
+    def _watch_tick(self, watch: HangWatch, said_alive: float) -> float:
+        """One watchdog tick; returns when the agent last heard that this worker is alive."""
+        training = self.state is WorkerState.TRAINING and not self._aborted.is_set()
+        mark = self._marks.current() if training else None
+        now = time.monotonic()
+        # Also while an aborted step unwinds, without a limit: the agent then waits the hang timeout.
+        if self.state is WorkerState.TRAINING and now - said_alive >= ALIVE_SECONDS:
+            limit = self._limits.step_limit()
+            self.send(
+                Alive(
+                    epoch=self.epoch,
+                    phase=mark.phase.value if mark is not None else None,
+                    step_limit_seconds=limit if training and limit < self._limits.ceiling else None,
                 )
-                said_alive = now
-            hang = watch.check(mark, time.monotonic(), self._activity if mark is not None else None)
-            if hang is not None:
-                log.warning("%s", hang)
-                self._interrupt(hang, hung=True)
+            )
+            said_alive = now
+        hang = watch.check(mark, time.monotonic(), self._activity if mark is not None else None)
+        if hang is not None:
+            log.warning("%s", hang)
+            self._interrupt(hang, hung=True)
+        return said_alive
 
     # -- main thread -------------------------------------------------------------------------------
 
