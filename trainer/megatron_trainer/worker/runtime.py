@@ -373,7 +373,12 @@ class Worker:
                 # loop, make every DP replica start from DP rank 0's weights.
                 sync_initial_weights(ts)
             self.held = None
-            guard_commit(ts, self._aborted.is_set, self.device)
+            guard_commit(
+                ts,
+                self._aborted.is_set,
+                self.device,
+                lambda s: self.faults.maybe_fire(plan.epoch, self.rank, s, InjectionPoint.BEFORE_UPDATE),
+            )
             phases["rebuild"] = time.perf_counter() - t
             phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
