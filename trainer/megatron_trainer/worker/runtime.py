@@ -383,7 +383,8 @@ class Worker:
             phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
             t = time.perf_counter()
-            moved = restore_from_peers(ts, plan, self.device, phases)
+            assert self.store is not None
+            moved = restore_from_peers(ts, plan, self.device, self.store, interrupted, phases)
             if StateSourceKind.CHECKPOINT in plan.source_kinds():
                 if self.spec.checkpoint is None:
                     raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
