@@ -1,13 +1,13 @@
 """Unit tests of the worker's pure parts (no torch.distributed, no processes).
 
-Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips
-through the environment, rejects malformed values and fires only at its (epoch, rank, step);
-mock samples are deterministic and the batch geometry hands every sample of a step to exactly one
-replica whatever the data-parallel size; settings name the missing variable; the restore's buckets
-keep every tensor once, by dtype, within the limit; the restore's routes send each newcomer its
-named peer's state, bring survivors of a DP group that disagree by a step to the newest one (from
-the lowest-ranked survivor holding it, also for a newcomer whose named peer is behind), and leave
-every member of the group at the newest step whatever the survivors hold.
+Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips through
+the environment, rejects malformed values and fires only at its (epoch, rank, step) and injection
+point; mock samples are deterministic and the batch geometry hands every sample of a step to exactly
+one replica whatever the data-parallel size; settings name the missing variable; the restore's
+buckets keep every tensor once, by dtype, within the limit; the restore's routes send each newcomer
+its named peer's state, bring survivors of a DP group that disagree by a step to the newest one
+(from the lowest-ranked survivor holding it, also for a newcomer whose named peer is behind), and
+leave every member of the group at the newest step whatever the survivors hold.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from worker_harness import make_plan, make_spec, peer_sources
 
 from megatron_contract import wire
 from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSource, StateSourceKind
-from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
+from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault, InjectionPoint
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
 from megatron_trainer.worker.peer_restore import buckets, restore_routes
@@ -84,6 +84,14 @@ def test_exception_fault_raises_only_when_due() -> None:
     plan.maybe_fire(epoch=1, rank=2, step=3)
     with pytest.raises(InjectedFault, match="rank 2 step 4"):
         plan.maybe_fire(epoch=1, rank=2, step=4)
+
+
+def test_before_update_fault_is_due_only_at_its_point() -> None:
+    plan = FaultPlan().fail_at(rank=1, step=3, fault=Fault.DELAY, seconds=4, point=InjectionPoint.BEFORE_UPDATE)
+    back = FaultPlan.from_env({ENV_FAULTS: plan.to_env()})
+    assert back.due(epoch=1, rank=1, step=3) is None  # not mid-step
+    due = back.due(epoch=1, rank=1, step=3, point=InjectionPoint.BEFORE_UPDATE)
+    assert due is not None and due.fault is Fault.DELAY and due.seconds == 4
 
 
 def test_mock_samples_are_deterministic_and_distinct() -> None:
