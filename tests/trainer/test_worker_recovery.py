@@ -263,13 +263,14 @@ def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
 def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
     tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
 ) -> None:
-    # Far past the step limit (max(1 s, 3 x the epoch's median step), a few seconds on a loaded CPU):
-    # the watchdog calls it a hang.
+    # Past the step limit however slow the loaded CPU (max(1 s, 3 x the epoch's median step), capped
+    # at the collective timeout): the watchdog calls it a hang and aborts the step.
+    timeout = 8.0
     stall = FaultPlan().fail_at(
-        rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=10.0, point=InjectionPoint.BEFORE_UPDATE
+        rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=timeout + 4, point=InjectionPoint.BEFORE_UPDATE
     )
     env = {ENV_FAULTS: stall.to_env(), ENV_FAULT_LOG: str(tmp_path / "faults.jsonl")}
-    cluster = WorkerCluster(make_spec(train_iters=TRAIN_ITERS, collective_timeout=30.0), tmp_path, env)
+    cluster = WorkerCluster(make_spec(train_iters=TRAIN_ITERS, collective_timeout=timeout), tmp_path, env)
     make_cluster.append(cluster)
     for pod in ("a", "b"):
         cluster.start_pod(pod)
