@@ -13,13 +13,19 @@ The test process plays agent and operator (see ``worker_harness``). Scenarios:
 - SIGKILL with no spare: the data-parallel degree shrinks to 1 with the global batch unchanged,
   then a returning pod grows it back to 2; every sample of every step is consumed exactly once;
 - SIGKILL of the only replica (no DP peer holds its state): the spare loads the newest complete
-  distributed checkpoint, redoes the steps after it, and every loss equals the failure-free run.
+  distributed checkpoint, redoes the steps after it, and every loss equals the failure-free run;
+- one rank stalls after a step's collectives, before its optimizer update (DELAY at
+  ``beforeUpdate``): the watchdog aborts its step while its TP partner and DP peer commit it, so the
+  survivors of one DP group hold different steps. A plan keeping all four survivors recovers in
+  place: the rank behind receives its DP peer's state, every rank resumes at the newer step with
+  bit-identical state, no committed step is redone, and every loss equals the failure-free run.
 
 Each worker is a full process that is never restarted: survivors reconfigure in place.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +36,7 @@ from worker_harness import WorkerCluster, make_spec, peer_sources, wait_for
 from megatron_contract.job import CheckpointSpec
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
 from megatron_trainer.channel import CollectiveFailed, PhaseTimes, Progress, WorkerStatus
-from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan
+from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan, InjectionPoint
 from megatron_trainer.worker.checkpoint import newest_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -254,3 +260,50 @@ def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
     assert cluster.losses(["a", "s"]) == expected
     redone = {p.step for w in cluster.workers(["s"]) for p in w.of_type(Progress)}
     assert min(redone) == newest + 1 and max(redone) == iters
+
+
+def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
+    tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
+) -> None:
+    # Past the step limit however slow the loaded CPU (max(1 s, 3 x the epoch's median step), capped
+    # at the collective timeout): the watchdog calls it a hang and aborts the step.
+    timeout = 8.0
+    stall = FaultPlan().fail_at(
+        rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=timeout + 4, point=InjectionPoint.BEFORE_UPDATE
+    )
+    env = {ENV_FAULTS: stall.to_env(), ENV_FAULT_LOG: str(tmp_path / "faults.jsonl")}
+    cluster = WorkerCluster(make_spec(train_iters=TRAIN_ITERS, collective_timeout=timeout), tmp_path, env)
+    make_cluster.append(cluster)
+    for pod in ("a", "b"):
+        cluster.start_pod(pod)
+    cluster.wait_ready(["a", "b"])
+    cluster.assign(cluster.plan(["a", "b"]))
+    cluster.wait_failed_reports(["a", "b"], epoch=1)
+    behind = cluster.pods["a"][FAULT_RANK]
+    ahead = [w for w in cluster.workers() if w is not behind]
+    assert behind.last_step() == FAULT_STEP, "the stalled rank's step was aborted before its optimizer update"
+    assert [w.last_step() for w in ahead] == [FAULT_STEP + 1] * 3, "its peers committed that step"
+
+    # The operator re-plans the same survivors, each keeping its state; its resumeStep lags.
+    cluster.assign(cluster.plan(["a", "b"], resume_step=FAULT_STEP, reason=PlanReason.REPLACE))
+    cluster.wait_succeeded(["a", "b"])
+
+    assert cluster.losses(["a", "b"]) == reference_losses
+    for w in cluster.workers():
+        redone = [p.step for p in w.of_type(Progress) if p.epoch == 2]
+        assert redone == list(range(FAULT_STEP + 2, TRAIN_ITERS + 1)), f"{w.name} redid or skipped a step"
+        assert "failed" not in w.states()
+    entered = {}
+    for w in cluster.workers():
+        found = re.search(
+            r"epoch 2 rank (\d+) .*: state from self \((\d+) bytes moved\), step (\d+), checksum ([0-9a-f]+)",
+            w.log_path.read_text(),
+        )
+        assert found, f"{w.name} logged no restored state:\n{w.log_tail()}"
+        rank, moved, step, checksum = found.groups()
+        entered[int(rank)] = (int(moved) > 0, int(step), checksum)
+    assert {r: e[1] for r, e in entered.items()} == dict.fromkeys(range(4), FAULT_STEP + 1)
+    # Only DP group {1, 3} moved state (rank 3 sent to rank 1); its members hold the same bits.
+    assert {r: e[0] for r, e in entered.items()} == {0: False, 1: True, 2: False, 3: True}
+    assert entered[1][2] == entered[3][2]
+    assert f"rank 1 holds step {FAULT_STEP}, its DP peer 3 holds step {FAULT_STEP + 1}" in behind.log_path.read_text()

@@ -1,10 +1,13 @@
 """Unit tests of the worker's pure parts (no torch.distributed, no processes).
 
-Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips
-through the environment, rejects malformed values and fires only at its (epoch, rank, step);
-mock samples are deterministic and the batch geometry hands every sample of a step to exactly one
-replica whatever the data-parallel size; settings name the missing variable; the restore's buckets
-keep every tensor once, by dtype, within the limit.
+Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips through
+the environment, rejects malformed values and fires only at its (epoch, rank, step) and injection
+point; mock samples are deterministic and the batch geometry hands every sample of a step to exactly
+one replica whatever the data-parallel size; settings name the missing variable; the restore's
+buckets keep every tensor once, by dtype, within the limit; the restore's routes send each newcomer
+its named peer's state, bring survivors of a DP group that disagree by a step to the newest one
+(from the lowest-ranked survivor holding it, also for a newcomer whose named peer is behind), and
+leave every member of the group at the newest step whatever the survivors hold.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from hypothesis import strategies as st
 from worker_harness import make_plan, make_spec, peer_sources
 
 from megatron_contract import wire
-from megatron_contract.mesh import BatchGeometry, MeshPlan
-from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault
+from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSource, StateSourceKind
+from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault, InjectionPoint
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
-from megatron_trainer.worker.peer_restore import buckets
+from megatron_trainer.worker.peer_restore import buckets, restore_routes
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.verify import StateMismatch, check_step
 
@@ -81,6 +84,14 @@ def test_exception_fault_raises_only_when_due() -> None:
     plan.maybe_fire(epoch=1, rank=2, step=3)
     with pytest.raises(InjectedFault, match="rank 2 step 4"):
         plan.maybe_fire(epoch=1, rank=2, step=4)
+
+
+def test_before_update_fault_is_due_only_at_its_point() -> None:
+    plan = FaultPlan().fail_at(rank=1, step=3, fault=Fault.DELAY, seconds=4, point=InjectionPoint.BEFORE_UPDATE)
+    back = FaultPlan.from_env({ENV_FAULTS: plan.to_env()})
+    assert back.due(epoch=1, rank=1, step=3) is None  # not mid-step
+    due = back.due(epoch=1, rank=1, step=3, point=InjectionPoint.BEFORE_UPDATE)
+    assert due is not None and due.fault is Fault.DELAY and due.seconds == 4
 
 
 def test_mock_samples_are_deterministic_and_distinct() -> None:
@@ -193,3 +204,56 @@ def test_restore_buckets_group_by_dtype_in_order_within_the_limit() -> None:
     for limit in (4, 20, 10_000):
         flat = [t for run in buckets(tensors, limit=limit) for t in run]
         assert [id(t) for t in flat] == [id(t) for t in tensors]
+
+
+def test_restore_routes_name_the_plans_peers_when_survivors_agree() -> None:
+    spec = make_spec()  # dp 2, tp 2: DP groups {0, 2} and {1, 3}
+    replace = make_plan(spec, 2, ["spare", "survivor"], 1, resume_step=5, sources=peer_sources(spec, [0, 1], [2, 3]))
+    assert restore_routes(replace, [1, 3], {}) == {1: 3}
+    assert restore_routes(replace, [1, 3], {3: 5}) == {1: 3}
+    kept = make_plan(spec, 2, ["a", "b"], 1, resume_step=5)
+    assert restore_routes(kept, [1, 3], {1: 5, 3: 5}) == {}
+
+
+def test_restore_routes_bring_a_survivor_behind_to_its_peers_step() -> None:
+    # Rank 1's step 4 was aborted before its optimizer update; its DP peer rank 3 committed it.
+    spec = make_spec()
+    kept = make_plan(spec, 2, ["a", "b"], 1, resume_step=4)
+    assert restore_routes(kept, [1, 3], {1: 4, 3: 5}) == {1: 3}
+    assert restore_routes(kept, [1, 3], {1: 5, 3: 4}) == {3: 1}
+
+
+def test_restore_routes_redirect_a_newcomer_whose_named_peer_is_behind() -> None:
+    spec = make_spec(replicas=3)  # dp 3: DP group {1, 3, 5}
+    sources = peer_sources(spec, [1], [3])  # the spare in pod "a" takes rank 1's state from rank 3
+    plan = make_plan(spec, 2, ["spare", "b", "c"], 1, resume_step=4, sources=sources)
+    assert restore_routes(plan, [1, 3, 5], {3: 4, 5: 5}) == {1: 5, 3: 5}
+    assert restore_routes(plan, [1, 3, 5], {3: 5, 5: 4}) == {1: 3, 5: 3}
+    # Two survivors at the newest step: the lowest-ranked one sends.
+    kept = make_plan(spec, 2, ["a", "b", "c"], 1, resume_step=4)
+    assert restore_routes(kept, [1, 3, 5], {1: 5, 3: 4, 5: 5}) == {3: 1}
+
+
+@given(
+    steps=st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=4),
+    newcomers=st.lists(st.integers(min_value=0, max_value=7), max_size=4),
+)
+def test_restore_routes_leave_every_member_at_the_newest_step(steps: list[int], newcomers: list[int]) -> None:
+    # One DP group of single-rank replicas (tp 1): survivors hold ``steps``, each newcomer names
+    # some survivor as its peer.
+    spec = make_spec(tp=1, gpus_per_pod=1, replicas=len(steps) + len(newcomers))
+    survivors = list(range(len(steps)))
+    joining = [len(steps) + i for i in range(len(newcomers))]
+    sources = {
+        r: StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=survivors[n % len(survivors)])
+        for r, n in zip(joining, newcomers, strict=True)
+    }
+    plan = make_plan(spec, 2, [f"p{r}" for r in survivors + joining], 1, sources=sources)
+    held = dict(zip(survivors, steps, strict=True))
+    routes = restore_routes(plan, survivors + joining, held)
+    newest = max(steps)
+    assert set(routes) == set(joining) | {r for r in survivors if held[r] < newest}
+    assert all(held[sender] == newest for sender in routes.values()), "every sender holds the newest step"
+    assert all(held[r] == newest for r in survivors if r not in routes), "a survivor that keeps is current"
+    kept_peers = {r: s.peer_rank for r, s in sources.items() if held[s.peer_rank or 0] == newest}
+    assert {r: routes[r] for r in kept_peers} == kept_peers, "a current named peer is kept"

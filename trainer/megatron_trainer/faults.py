@@ -1,7 +1,8 @@
 """Fault injection for tests and benchmarks: named faults, fired inside a worker at a given
 (epoch, rank, step) and injection point: mid-step by default (after the forward pass of the step's
 first micro-batch, so the step's collectives are in flight on the other ranks), or while the step's
-data is read, or when the checkpoint saver runs after the step (:class:`InjectionPoint`).
+data is read, or after the step's collectives but before this rank's optimizer update, or when the
+checkpoint saver runs after the step (:class:`InjectionPoint`).
 
 Build a plan fluently and hand it to workers through the environment::
 
@@ -42,6 +43,10 @@ class InjectionPoint(enum.StrEnum):
 
     MID_STEP = "midStep"  # after the first micro-batch's forward pass
     DATA_READ = "dataRead"  # while the step's samples are read, before any collective of the step
+    # After every collective of the step (gradients reduced, loss and grad norm known), before this
+    # rank's optimizer update: a DELAY past the step limit makes the watchdog abort the step here
+    # while its peers commit it, so survivors of one DP group disagree by a step.
+    BEFORE_UPDATE = "beforeUpdate"
     CHECKPOINT = "checkpoint"  # at the end of the checkpoint saver's work after the step, past its collectives
 
 

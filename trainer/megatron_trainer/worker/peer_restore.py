@@ -8,18 +8,32 @@ tensors of a 1 B model become ~16 broadcasts); host scalars (Adam's ``step``) ar
 device tensor because NCCL cannot send host memory, together with the step and the learning-rate
 scheduler's step count. On 4xH200 the 13.7 GB of a 1.1 B model move in
 ~0.06 s; NCCL's lazy connection of the group, timed apart as ``restore_connect``, costs 0.2-0.3 s.
+
+Survivors of one DP group may hold different steps: a rank whose step was aborted after the
+gradient all-reduce but before its optimizer update (the watchdog's verdict on a slow rank, or a
+hung peer) keeps the older step while its DP peer committed the newer one. Where the plan's state
+comes from survivors, the survivors of each group first agree through the epoch's store on the
+steps they hold (:func:`held_steps`), and a survivor behind the newest receives the whole state
+from one holding it, exactly as a newcomer would (:func:`restore_routes`); no committed step is
+lost. Model-parallel peers that disagree (no rank of some DP group holds the newest step) cannot be
+repaired within a group: verification refuses them (worker/verify.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_contract.mesh import MeshPlan, StateSourceKind
 from megatron_trainer.worker.model import TrainState, set_scheduler_steps, state_tensors
-from megatron_trainer.worker.rendezvous import replica_group
+from megatron_trainer.worker.rendezvous import Interrupted, replica_group, wait_for_ranks
+
+log = logging.getLogger(__name__)
+HELD_STEPS_TIMEOUT_SECONDS = 120.0
 
 
 def unique_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -33,10 +47,60 @@ def unique_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def peer_sources(plan: MeshPlan, group_ranks: list[int]) -> list[int]:
-    """Global ranks that must send to their DP group (sorted, so every member agrees)."""
-    sources = {plan.source_of(r).peer_rank for r in group_ranks if plan.source_of(r).kind is StateSourceKind.PEER}
-    return sorted(s for s in sources if s is not None)
+def restore_routes(plan: MeshPlan, group_ranks: Sequence[int], held: Mapping[int, int]) -> dict[int, int]:
+    """Which rank of a DP group receives its state from which: ``{receiver: sender}``.
+
+    Args:
+        plan: names the newcomers' peers (source ``peer``).
+        group_ranks: the DP group's global ranks.
+        held: the step each survivor of the group holds (see :func:`held_steps`); empty when the
+            plan fixes the step.
+
+    Returns:
+        The plan's peer receivers, with their named peer; and, when the survivors disagree, every
+        survivor behind the newest step, and every newcomer whose named peer is behind, with the
+        lowest-ranked survivor holding the newest step. Every member computes the same routes.
+    """
+    routes: dict[int, int] = {}
+    for r in group_ranks:
+        source = plan.source_of(r)
+        if source.kind is StateSourceKind.PEER and source.peer_rank is not None:
+            routes[r] = source.peer_rank
+    if not held:
+        return routes
+    newest = max(held.values())
+    holder = min(r for r, step in held.items() if step == newest)
+    behind = {r: holder for r, step in held.items() if step < newest}
+    redirected = {r: holder for r, sender in routes.items() if held.get(sender, newest) < newest}
+    return {**routes, **redirected, **behind}
+
+
+def held_steps(
+    ts: TrainState, plan: MeshPlan, group_ranks: Sequence[int], store: dist.Store, interrupted: Interrupted
+) -> dict[int, int]:
+    """The step each survivor of this rank's DP group holds (``{rank: step}``), agreed through the
+    epoch's store, as verification does: no collective, and a survivor that never publishes leaves
+    its peers with ``RendezvousFailed`` instead of a blocked collective.
+
+    Empty where there is nothing to agree on: the plan fixes the step (a fresh start or a
+    checkpoint, held to ``resumeStep`` by verification), the group has fewer than two survivors, or
+    the optimizer is distributed (its sharded state cannot come from a peer; verification reports
+    a disagreement).
+
+    Raises:
+        Superseded, RendezvousFailed: a newer plan arrived, or a survivor never published.
+    """
+    if not plan.source_kinds() <= {StateSourceKind.SELF, StateSourceKind.PEER}:
+        return {}
+    survivors = [r for r in group_ranks if plan.source_of(r).kind is StateSourceKind.SELF]
+    if len(survivors) < 2 or ts.spec.training.optimizer.distributed:
+        return {}
+    rank = dist.get_rank()
+    if rank in survivors:
+        store.set(f"held-step/{rank}", str(ts.step))
+    wait_for_ranks(store, "held-step", survivors, HELD_STEPS_TIMEOUT_SECONDS, interrupted, "the survivors' steps")
+    values = store.multi_get([f"held-step/{r}" for r in survivors])
+    return {r: int(v.decode()) for r, v in zip(survivors, values, strict=True)}
 
 
 BUCKET_BYTES = 1 << 30  # per broadcast; the packing buffer is allocated once per bucket
@@ -75,15 +139,39 @@ def _broadcast_bucket(bucket: list[torch.Tensor], src: int, keep: bool, group: d
 
 
 def restore_from_peers(
-    ts: TrainState, plan: MeshPlan, device: torch.device, phases: dict[str, float] | None = None
+    ts: TrainState,
+    plan: MeshPlan,
+    device: torch.device,
+    store: dist.Store,
+    interrupted: Interrupted,
+    phases: dict[str, float] | None = None,
 ) -> int:
-    """Run the broadcasts this rank's DP group needs; returns bytes received or sent per source.
-    ``phases`` gets ``restore_connect``: a one-element broadcast first, so that NCCL's lazy
-    connection of the group's channels is timed apart from the transfer."""
+    """Run the broadcasts this rank's DP group needs (newcomers, and survivors behind the newest
+    step their group holds); returns bytes received or sent per source. ``store`` is the epoch's,
+    for the survivors' agreement on their steps. ``phases`` gets ``restore_connect``: a one-element
+    broadcast first, so that NCCL's lazy connection of the group's channels is timed apart from
+    the transfer.
+
+    Raises:
+        Superseded, RendezvousFailed: during the survivors' agreement (see :func:`held_steps`).
+    """
     group = replica_group()
-    sources = peer_sources(plan, dist.get_process_group_ranks(group))
+    group_ranks = dist.get_process_group_ranks(group)
+    held = held_steps(ts, plan, group_ranks, store, interrupted)
+    routes = restore_routes(plan, group_ranks, held)
+    sources = sorted(set(routes.values()))
     if not sources:
         return 0
+    rank = dist.get_rank()
+    if rank in held and rank in routes:
+        log.warning(
+            "epoch %d: rank %d holds step %d, its DP peer %d holds step %d: taking the peer's state",
+            plan.epoch,
+            rank,
+            held[rank],
+            routes[rank],
+            held[routes[rank]],
+        )
     if ts.spec.training.optimizer.distributed:
         raise ValueError(
             f"plan epoch {plan.epoch} restores rank state from a peer, but with "
@@ -98,9 +186,9 @@ def restore_from_peers(
     tensors = unique_tensors(state_tensors(ts))
     on_device = [t for t in tensors if t.device == device]
     on_host = [t for t in tensors if t.device != device]
-    mine = plan.source_of(dist.get_rank())
+    mine = routes.get(rank)
     for src in sources:
-        keep = mine.kind is StateSourceKind.PEER and mine.peer_rank == src
+        keep = mine == src
         for bucket in buckets(on_device):
             _broadcast_bucket(bucket, src, keep, group)
         counters = torch.tensor([float(ts.step), float(ts.scheduler.num_steps)], dtype=torch.float64)

@@ -407,12 +407,18 @@ class Worker:
                 # loop, make every DP replica start from DP rank 0's weights.
                 sync_initial_weights(ts)
             self.held = None
-            guard_commit(ts, self._aborted.is_set, self.device)
+            guard_commit(
+                ts,
+                self._aborted.is_set,
+                self.device,
+                lambda s: self.faults.maybe_fire(plan.epoch, self.rank, s, InjectionPoint.BEFORE_UPDATE),
+            )
             phases["rebuild"] = time.perf_counter() - t
             phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
             t = time.perf_counter()
-            moved = restore_from_peers(ts, plan, self.device, phases)
+            assert self.store is not None
+            moved = restore_from_peers(ts, plan, self.device, self.store, interrupted, phases)
             if StateSourceKind.CHECKPOINT in plan.source_kinds():
                 if self.spec.checkpoint is None:
                     raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")

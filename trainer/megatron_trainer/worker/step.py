@@ -53,16 +53,24 @@ def wait_for_stream(device: torch.device, aborted: Callable[[], bool]) -> None:
         time.sleep(0.0001)
 
 
-def guard_commit(ts: TrainState, aborted: Callable[[], bool], device: torch.device) -> None:
+def guard_commit(
+    ts: TrainState,
+    aborted: Callable[[], bool],
+    device: torch.device,
+    update_hook: Callable[[int], None] = lambda step: None,
+) -> None:
     """Make the optimizer's local update refuse to run once the epoch is aborted.
 
     Megatron's ``step()`` runs its collectives (grad norm) and then ``step_with_ready_grads()``,
     which only touches local memory; checking just before it makes the commit point explicit.
+    ``update_hook`` is called with the step in progress once its collectives are done, just before
+    the check (fault injection point).
     """
     inner = ts.optimizer.step_with_ready_grads
 
     def guarded() -> Any:
         wait_for_stream(device, aborted)  # the step's collectives have really finished (or were aborted)
+        update_hook(ts.step)
         if aborted():
             raise StepAborted("epoch aborted before the optimizer update")
         return inner()

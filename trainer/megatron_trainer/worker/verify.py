@@ -13,6 +13,11 @@ training by up to an interval (many steps on a fast model), and survivors may co
 step in flight when the fault hits. There the step the survivors hold is the truth: model state,
 optimizer state and the sample cursor (a function of the step) travel together, so resuming from it
 drops and repeats no sample. It is kept, with a warning when it differs from the plan's estimate.
+Survivors of one data-parallel group that disagree (one committed the step in flight, a peer's was
+aborted before its optimizer update) were already brought to the newest step by the restore
+(worker/peer_restore.py). A disagreement left here is between model-parallel peers: no rank of
+some data-parallel group holds the newest step, which no broadcast within a group repairs, so it
+is refused.
 """
 
 from __future__ import annotations
@@ -57,8 +62,10 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, i
     seen = {r: tuple(int(x) for x in v.decode().split(",")) for r, v in zip(peers, store.multi_get(keys), strict=True)}
     steps = {s for s, _ in seen.values()}
     if len(steps) > 1:
+        behind = "model-parallel" if len({seen[r][0] for r in dp_peers}) == 1 else "data-parallel"
         raise StateMismatch(
             f"epoch {plan.epoch}: peers of rank {rank} hold different steps { {r: s for r, (s, _) in seen.items()} }"
+            f" ({behind} peers disagree)"
         )
     check_step(plan, ts.step)
     digests = {seen[r][1] for r in dp_peers}
