@@ -219,3 +219,31 @@ def test_closing_connections_frees_a_gloo_collective_blocked_on_a_stopped_peer()
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def test_a_worker_stopped_while_joining_or_waiting_is_hung_after_the_hang_timeout() -> None:
+    """A worker SIGSTOPped during a join (rendezvous, restore) holds up its peers for ever while its
+    agent still reports; a chaos run found it. One that speaks Alive is hung when silent past the
+    hang timeout in a join or as a spare; one that never said Alive (an older worker) is not."""
+    from megatron_trainer.agent.lifecycle import WorkerPhase
+    from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor
+    from megatron_trainer.channel import Alive
+
+    sup = WorkerSupervisor(["true"], {}, hang_timeout_seconds=20.0, on_message=lambda *_: None,
+                           on_exit=lambda _: None)
+    now = time.monotonic()
+
+    def handle(rank: int, phase: WorkerPhase, silent: float, alive: bool) -> WorkerHandle:
+        h = WorkerHandle(rank, process=None, writer=None, phase=phase, last_seen=now - silent)  # type: ignore[arg-type]
+        h.last_alive = Alive(epoch=2) if alive else None
+        h.exit_code = None
+        return h
+
+    sup.workers = {
+        0: handle(0, WorkerPhase.RECONFIGURING, 25.0, alive=True),  # stopped in a join: hung
+        1: handle(1, WorkerPhase.RECONFIGURING, 15.0, alive=True),  # silent, but within the timeout
+        2: handle(2, WorkerPhase.SPARE, 25.0, alive=True),  # a stopped spare: hung
+        3: handle(3, WorkerPhase.RECONFIGURING, 25.0, alive=False),  # never spoke Alive: not judged
+        4: handle(4, WorkerPhase.STARTING, 99.0, alive=True),  # imports: not judged here
+    }
+    assert sorted(h.local_rank for h in sup.find_hung(now)) == [0, 2]

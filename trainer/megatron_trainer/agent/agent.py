@@ -325,9 +325,14 @@ class Agent:
         self.metrics.worker_kills.labels(reason="hung").inc()
         self.supervisor.kill(
             handle,
-            f"hung: no progress for {silent_seconds:.1f}s while training "
-            f"(limit {self.supervisor.allowed_silence(handle):g}s)",
+            f"hung: silent for {silent_seconds:.1f}s while {handle.phase.value} "
+            f"(limit {self._silence_limit(handle):g}s)",
         )
+
+    def _silence_limit(self, handle: WorkerHandle) -> float:
+        if handle.phase is WorkerPhase.TRAINING:
+            return self.supervisor.allowed_silence(handle)
+        return self.supervisor.hang_timeout_seconds
 
     def _on_worker_exit(self, handle: WorkerHandle) -> None:
         if self.supervisor.workers.get(handle.local_rank) is not handle:

@@ -3,10 +3,11 @@
 Each worker gets its own socketpair (a worker killed mid-write must not jam the others, as it
 does a shared queue). The agent's end is read with asyncio, so a stopped or slow worker never blocks
 the control port. A worker is dead when its channel hits EOF and its exit code is collected; it
-is hung when it is training and has sent nothing for longer than the hang timeout, and then the
-supervisor kills it (SIGKILL works on a SIGSTOPped process too). A training worker's watchdog
-thread sends :class:`~megatron_trainer.channel.Alive` several times a second; while the last one
-gives a progress limit and no data read or save, a silence of twice that limit (at least
+is hung when it has sent nothing for longer than the hang timeout while training (or, if it
+speaks Alive, while it joins an epoch or waits), and then the supervisor kills it (SIGKILL works
+on a SIGSTOPped process too). A worker's watchdog thread sends
+:class:`~megatron_trainer.channel.Alive` several times a second; while the last one gives a
+progress limit and no data read or save, a silence of twice that limit (at least
 :data:`STOPPED_MIN_SILENCE_SECONDS`) already means the process is stopped, so a stopped worker is
 killed, and its pod reported, within seconds rather than after the collective timeout. What to do
 about either is the agent's decision, through the callbacks.
@@ -232,14 +233,23 @@ class WorkerSupervisor:
         return allowed if stopped is None else min(allowed, stopped)
 
     def find_hung(self, now: float) -> list[WorkerHandle]:
-        """Training workers silent for longer than they may be."""
+        """Workers silent for longer than they may be: training ones past their allowed silence; one
+        that says Alive (a real worker's watchdog does in every live state) past the hang timeout
+        while it joins an epoch, waits as a spare or waits for a plan, since a worker stopped in a
+        join holds up its peers' rendezvous for ever while its agent still reports."""
         return [
             h
             for h in self.workers.values()
             if h.alive
             and h.kill_reason is None
-            and h.phase is WorkerPhase.TRAINING
-            and now - h.last_seen > self.allowed_silence(h)
+            and (
+                (h.phase is WorkerPhase.TRAINING and now - h.last_seen > self.allowed_silence(h))
+                or (
+                    h.phase in (WorkerPhase.RECONFIGURING, WorkerPhase.SPARE)
+                    and h.last_alive is not None
+                    and now - h.last_seen > self.hang_timeout_seconds
+                )
+            )
         ]
 
     def kill(self, handle: WorkerHandle, reason: str) -> None:

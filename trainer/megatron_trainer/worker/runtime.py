@@ -82,6 +82,8 @@ ABORT_GRACE_SECONDS = 0.5
 WATCHDOG_TICK_SECONDS = 0.05
 #: How often a training worker tells its agent it is alive (a stopped process cannot).
 ALIVE_SECONDS = 0.25
+#: Worker states in which the watchdog tells the agent it is alive.
+_SAYS_ALIVE = frozenset({WorkerState.SPARE, WorkerState.RECONFIGURING, WorkerState.TRAINING, WorkerState.WAITING})
 
 _COLLECTIVE_ERROR_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "abort", "socket", "peer")
 
@@ -244,8 +246,11 @@ class Worker:
         training = self.state is WorkerState.TRAINING and not self._aborted.is_set()
         mark = self._marks.current() if training else None
         now = time.monotonic()
-        # Also while an aborted step unwinds, without a limit: the agent then waits the hang timeout.
-        if self.state is WorkerState.TRAINING and now - said_alive >= ALIVE_SECONDS:
+        # In every live state: while training (with the step's limit), and while an aborted step
+        # unwinds, a join runs (rendezvous, rebuild, restore, verify) or the worker waits as a spare
+        # or for a plan, without one: then the agent allows the hang timeout. A worker stopped in a
+        # join would otherwise hold up its peers' rendezvous for ever, its agent still reporting.
+        if self.state in _SAYS_ALIVE and now - said_alive >= ALIVE_SECONDS:
             limit = self._limits.step_limit()
             self.send(
                 Alive(
