@@ -76,9 +76,11 @@ def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator,
         plan1 = make_plan(spec, [a.pod, b.pod], epoch=1, store=a.pod)
         for agent in (a, b):
             assert agent.post_plan(plan1)[0] == 200
+        # Six steps: the workers' step limits adapt after the epoch's first step and three recorded
+        # ones; a worker stopped before that is found only after the hang timeout.
         for agent in (a, b):
-            agent.wait_state(lambda s: s["state"] == "training" and s.get("step", 0) >= 3, 180, "epoch-1 steps")
-        operator.wait_report("pod-a", lambda r: r.epoch == 1 and (r.step or 0) >= 3, 10, "epoch-1 steps")
+            agent.wait_state(lambda s: s["state"] == "training" and s.get("step", 0) >= 6, 180, "epoch-1 steps")
+        operator.wait_report("pod-a", lambda r: r.epoch == 1 and (r.step or 0) >= 6, 10, "epoch-1 steps")
         assert c.state()["state"] == "spare"
 
         # -- a worker of B fails mid-training -----------------------------------------------------
