@@ -481,11 +481,25 @@ def run(
                 time.sleep(d.pause)
         if violations:  # stuck: no point waiting for the end
             raise _Stuck
-        final = _wait(
-            lambda: (s := injector.status()).get("phase") in ("Succeeded", "Failed") and s,
-            "the job to end",
-            max(600.0, iters * 1.5),
-        )
+
+        def ended_or_stuck() -> dict[str, Any] | None:
+            nonlocal progress
+            s = injector.status()
+            if s.get("phase") in ("Succeeded", "Failed"):
+                return s
+            if (s.get("step") or 0) > progress[0]:
+                progress = (s.get("step") or 0, time.monotonic())
+            elif time.monotonic() - progress[1] > STUCK_SECONDS:
+                stuck = (
+                    f"no step committed for {STUCK_SECONDS:.0f} s after the last fault (at step "
+                    f"{s.get('step')}, phase {s.get('phase')}, epoch {s.get('epoch')})"
+                )
+                say(f"[chaos] {stuck}")
+                violations.append(f"the job is stuck: {stuck}")
+                raise _Stuck
+            return None
+
+        final = _wait(ended_or_stuck, "the job to end", max(600.0, iters * 1.5))
         _wait(
             lambda: (
                 (cluster.request("GET", JOBS.format(ns=namespace) + f"/{ref_name}")[1].get("status") or {}).get("phase")

@@ -247,3 +247,23 @@ def test_a_worker_stopped_while_joining_or_waiting_is_hung_after_the_hang_timeou
         4: handle(4, WorkerPhase.STARTING, 99.0, alive=True),  # imports: not judged here
     }
     assert sorted(h.local_rank for h in sup.find_hung(now)) == [0, 2]
+
+
+def test_the_save_grace_applies_to_a_worker_saving_not_to_one_stopped_after_a_save_step() -> None:
+    """A worker stopped in the step after a checkpoint step (a multiple of the interval) was allowed
+    the save's 600 s grace: a chaos run waited ten minutes. A worker that speaks Alive gets the
+    grace only while its last Alive says it is in a save."""
+    from megatron_trainer.agent.lifecycle import WorkerPhase
+    from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor
+    from megatron_trainer.channel import Alive, Progress
+
+    sup = WorkerSupervisor(["true"], {}, hang_timeout_seconds=20.0, on_message=lambda *_: None,
+                           on_exit=lambda _: None, checkpoint_interval_steps=10, checkpoint_grace_seconds=600.0)
+    h = WorkerHandle(0, process=None, writer=None, phase=WorkerPhase.TRAINING)  # type: ignore[arg-type]
+    h.progress = Progress(epoch=1, step=20, consumed_samples=80, loss=1.0, step_time_seconds=0.1,
+                          tokens_per_second=1.0)
+    assert sup.allowed_silence(h) == 620.0  # no Alive (an older worker): the step decides
+    h.last_alive = Alive(epoch=1, phase="checkpoint")
+    assert sup.allowed_silence(h) == 620.0  # saving
+    h.last_alive = Alive(epoch=1, phase="step")  # in the next step, no step limit yet
+    assert sup.allowed_silence(h) == 20.0

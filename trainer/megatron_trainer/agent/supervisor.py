@@ -223,13 +223,20 @@ class WorkerSupervisor:
     def allowed_silence(self, handle: WorkerHandle) -> float:
         """Seconds ``handle`` may stay silent while training (see :func:`silence_allowed` and
         :func:`stopped_silence`)."""
-        allowed = silence_allowed(
-            self.hang_timeout_seconds,
-            handle.progress.step if handle.progress is not None else None,
-            self.checkpoint_interval_steps,
-            self.checkpoint_grace_seconds,
-        )
-        stopped = stopped_silence(handle.last_alive)
+        alive = handle.last_alive
+        if alive is not None and alive.phase != "checkpoint":
+            # A worker that speaks Alive says when it saves: the save's grace is for a save, not for
+            # every silence after a step that is a multiple of the interval (a worker stopped in
+            # the next step waited out the 600 s grace in a chaos run).
+            allowed = self.hang_timeout_seconds
+        else:
+            allowed = silence_allowed(
+                self.hang_timeout_seconds,
+                handle.progress.step if handle.progress is not None else None,
+                self.checkpoint_interval_steps,
+                self.checkpoint_grace_seconds,
+            )
+        stopped = stopped_silence(alive)
         return allowed if stopped is None else min(allowed, stopped)
 
     def find_hung(self, now: float) -> list[WorkerHandle]:
