@@ -137,6 +137,10 @@ class GoodputLedger:
             setattr(self, bucket, getattr(self, bucket) - take)
             self.training += take
             excess -= take
+        if excess > 0:
+            # Still more than the time that passed: steps counted at the latest step's duration when
+            # several arrived at once over-count. Productive time never exceeds the time there was.
+            self.productive = max(0.0, self.productive - excess)
 
     def failure_declared(self, now: float) -> None:
         """A failure stopped training: the time since the last committed step was detection."""
@@ -172,7 +176,7 @@ class GoodputLedger:
             other += max(0.0, now - self._last)  # since the last observation: not filed yet
         productive = max(0.0, self.productive)
         return Goodput(
-            ratio=round(productive / wall, 4) if wall > 0 else 0.0,
+            ratio=min(1.0, round(productive / wall, 4)) if wall > 0 else 0.0,
             wall_seconds=round(wall, 3),
             productive_seconds=round(productive, 3),
             lost_seconds=LostTime(

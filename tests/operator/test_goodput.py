@@ -92,3 +92,14 @@ def test_steps_done_before_the_last_member_reported_move_out_of_waiting() -> Non
     assert g.productive_seconds == pytest.approx(3.0)
     assert g.lost_seconds.waiting_for_capacity == pytest.approx(3.0)
     assert _parts(g) == pytest.approx(6.0)
+
+
+def test_productive_time_never_exceeds_the_time_there_was() -> None:
+    """Steps counted at the latest step's duration over-count when many arrive at once after a slow
+    one; a ratio above 1 once failed the status model and every reconcile after it (CI)."""
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(0.0, trained=True, step=0, step_time=None)
+    ledger.observe(2.0, trained=True, step=40, step_time=0.5)  # 40 steps "of 0.5 s" in 2 s
+    g = ledger.snapshot(2.0)
+    assert g.ratio <= 1.0 and g.productive_seconds <= g.wall_seconds
+    assert _parts(g) == pytest.approx(2.0)
