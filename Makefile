@@ -17,7 +17,7 @@ test: setup lint
 
 lint:
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check contract localcluster
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 crds:

@@ -115,8 +115,7 @@ def restore(args: argparse.Namespace, root: Path) -> dict[str, object]:
         try:
             pods = _start_pods(cluster, "r", args.gpus)
             sources = {
-                r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=step)
-                for r in range(args.gpus)
+                r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=step) for r in range(args.gpus)
             }
             cluster.assign(cluster.plan(pods, resume_step=step, sources=sources))
             cluster.wait_succeeded(pods, timeout=1200)

@@ -67,8 +67,9 @@ class AgentsProcess:
 
     def __init__(self, token: str, job_uid: str, operator_url: str) -> None:
         self._conn, child = mp.Pipe()
-        self._proc = mp.get_context("fork").Process(target=_agents_main, args=(child, token, job_uid, operator_url),
-                                                    daemon=True)
+        self._proc = mp.get_context("fork").Process(
+            target=_agents_main, args=(child, token, job_uid, operator_url), daemon=True
+        )
         self._proc.start()
         self._lock = threading.Lock()
 
@@ -110,9 +111,15 @@ class EpochWatch:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                for event in self._watch.stream(self._api.list_namespaced_custom_object, "megatron.dev", "v1alpha1",
-                                                self._ns, "megatronjobs", field_selector=f"metadata.name={JOB}",
-                                                timeout_seconds=300):
+                for event in self._watch.stream(
+                    self._api.list_namespaced_custom_object,
+                    "megatron.dev",
+                    "v1alpha1",
+                    self._ns,
+                    "megatronjobs",
+                    field_selector=f"metadata.name={JOB}",
+                    timeout_seconds=300,
+                ):
                     epoch = ((event["object"].get("status") or {}).get("epoch")) or 0
                     self.first_seen.setdefault(epoch, time.monotonic())
             except Exception as exc:  # the watch restarts; a lost event only delays a stamp
@@ -161,17 +168,21 @@ def main() -> int:
         cluster.add_gpu_nodes(nodes, gpus_per_node=8, prefix="bench")
         print(f"{nodes} fake GPU nodes ready in {time.monotonic() - t:.1f} s", flush=True)
         ns = "bench"
-        cluster.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                       "metadata": {"name": ns}})
+        cluster.request(
+            "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+        )
         api = JobApi(cluster, ns)
-        operator = OperatorProcess(cluster.kubeconfig, ns, tmp / "operator.log", lease_seconds=15,
-                                   MEGATRON_OPERATOR_RESYNC_SECONDS="5").start()
+        operator = OperatorProcess(
+            cluster.kubeconfig, ns, tmp / "operator.log", lease_seconds=15, MEGATRON_OPERATOR_RESYNC_SECONDS="5"
+        ).start()
         t0 = time.monotonic()
-        status, body = api.create_job(make_job(JOB, ns, replicas=args.workers, spares=args.spares,
-                                               min_replicas=1, global_batch=args.workers * 2))
+        status, body = api.create_job(
+            make_job(JOB, ns, replicas=args.workers, spares=args.spares, min_replicas=1, global_batch=args.workers * 2)
+        )
         assert status == 201, body
-        agents = AgentsProcess(wait_for(lambda: api.token(JOB), 60, "the job's Secret"),
-                               api.job(JOB)["metadata"]["uid"], operator.url)
+        agents = AgentsProcess(
+            wait_for(lambda: api.token(JOB), 60, "the job's Secret"), api.job(JOB)["metadata"]["uid"], operator.url
+        )
         watch = EpochWatch(cluster.kubeconfig, ns)  # after the fork above: the child needs no threads
 
         def sync_agents() -> int:
@@ -181,8 +192,11 @@ def main() -> int:
 
         wait_for(lambda: sync_agents() >= args.workers + args.spares, 300, "all pods running", interval=0.5)
         wait_for(lambda: api.status(JOB).get("phase") == "Running", 300, "the first step of epoch 1", interval=0.1)
-        print(f"job of {args.workers} workers + {args.spares} spares running at epoch 1 in "
-              f"{time.monotonic() - t0:.1f} s (create to every member reporting a training step)", flush=True)
+        print(
+            f"job of {args.workers} workers + {args.spares} spares running at epoch 1 in "
+            f"{time.monotonic() - t0:.1f} s (create to every member reporting a training step)",
+            flush=True,
+        )
 
         stored_s: list[float] = []
         excluded: list[str] = []
@@ -195,8 +209,9 @@ def main() -> int:
             seen = len(agents.received())
             t_fail = time.monotonic()
             api.delete_pod(victim, grace=0)
-            t_stored = wait_for(lambda epoch=epoch: watch.first_seen.get(epoch + 1), 60, f"epoch {epoch + 1} stored",
-                                interval=0.01)
+            t_stored = wait_for(
+                lambda epoch=epoch: watch.first_seen.get(epoch + 1), 60, f"epoch {epoch + 1} stored", interval=0.01
+            )
             plan = api.status(JOB)["plan"]
             new_members = {m["pod"] for m in plan["members"]}
 
@@ -209,32 +224,47 @@ def main() -> int:
             # Only a plan made for this failure counts: on an overloaded machine kwok may let a node go
             # NotReady, and a plan made for that (or one the victim's failure was folded into) says
             # nothing about this failure.
-            clean = plan["epoch"] == epoch + 1 and plan["reason"] == "replace" and victim not in new_members \
+            clean = (
+                plan["epoch"] == epoch + 1
+                and plan["reason"] == "replace"
+                and victim not in new_members
                 and len(new_members) == args.workers
+            )
             if clean:
                 stored_s.append(stored)
                 pushed_s.append(pushed)
             else:
                 excluded.append(f"failure {i + 1}: plan {plan['epoch']} ({plan['reason']}, {len(new_members)} members)")
-            print(f"failure {i + 1:3d}: {victim} -> epoch {epoch + 1} stored {stored * 1000:7.1f} ms, "
-                  f"pushed to all {len(new_members)} members {pushed * 1000:7.1f} ms"
-                  + ("" if clean else "  (excluded: not a plan for this failure alone)"), flush=True)
-            wait_for(lambda: (s := api.status(JOB)).get("sparesReady") == args.spares
-                     and s.get("phase") == "Running", 120, "spare pool refilled", interval=0.1)
+            print(
+                f"failure {i + 1:3d}: {victim} -> epoch {epoch + 1} stored {stored * 1000:7.1f} ms, "
+                f"pushed to all {len(new_members)} members {pushed * 1000:7.1f} ms"
+                + ("" if clean else "  (excluded: not a plan for this failure alone)"),
+                flush=True,
+            )
+            wait_for(
+                lambda: (s := api.status(JOB)).get("sparesReady") == args.spares and s.get("phase") == "Running",
+                120,
+                "spare pool refilled",
+                interval=0.1,
+            )
             wait_for(lambda: sync_agents() >= args.workers + args.spares, 60, "agents on every pod", interval=0.2)
 
         rss = peak_rss_mib(operator.proc.pid) if operator.proc else float("nan")
         print()
-        print(f"job: {args.workers} worker pods + {args.spares} spares on {nodes} kwok nodes; "
-              f"{args.failures} failures (pod deleted, grace 0), {len(stored_s)} measured, "
-              f"{len(excluded)} excluded")
+        print(
+            f"job: {args.workers} worker pods + {args.spares} spares on {nodes} kwok nodes; "
+            f"{args.failures} failures (pod deleted, grace 0), {len(stored_s)} measured, "
+            f"{len(excluded)} excluded"
+        )
         for line in excluded:
             print(f"  excluded {line}")
         for name, values in (("failure -> plan stored", stored_s), ("failure -> plan pushed to all", pushed_s)):
-            print(f"{name:32s} p50 {percentile(values, 50) * 1000:7.1f} ms"
-                  f"   p99 {percentile(values, 99) * 1000:7.1f} ms"
-                  f"   min {min(values) * 1000:7.1f} ms   max {max(values) * 1000:7.1f} ms"
-                  f"   mean {statistics.mean(values) * 1000:7.1f} ms")
+            print(
+                f"{name:32s} p50 {percentile(values, 50) * 1000:7.1f} ms"
+                f"   p99 {percentile(values, 99) * 1000:7.1f} ms"
+                f"   min {min(values) * 1000:7.1f} ms   max {max(values) * 1000:7.1f} ms"
+                f"   mean {statistics.mean(values) * 1000:7.1f} ms"
+            )
         print(f"operator peak RSS (VmHWM): {rss:.1f} MiB")
         return 0
     finally:
@@ -255,6 +285,7 @@ def main() -> int:
                 print(f"cleanup: {exc!r}", file=sys.stderr)
         if operator is not None:
             print(f"operator log: {operator.log_path}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -50,8 +50,17 @@ def _client(port: int, pods: list[str], batch: int, seconds: float, out: mp.Queu
                 nonlocal sent
                 i = offset
                 while time.monotonic() < deadline:
-                    reports = [{"jobUid": JOB_UID, "pod": pods[(i + k) % len(pods)], "epoch": 1, "state": "training",
-                                "step": i, "stepTimeSeconds": 0.7} for k in range(batch)]
+                    reports = [
+                        {
+                            "jobUid": JOB_UID,
+                            "pod": pods[(i + k) % len(pods)],
+                            "epoch": 1,
+                            "state": "training",
+                            "step": i,
+                            "stepTimeSeconds": 0.7,
+                        }
+                        for k in range(batch)
+                    ]
                     body = reports[0] if batch == 1 else {"reports": reports}
                     async with session.post(url, json=body, headers=headers) as resp:
                         if resp.status == 200:
@@ -69,8 +78,9 @@ async def serve(pods: int) -> tuple[handlers.Registry, int, object]:
     spec = make_spec(replicas=pods, spares=0, global_batch=pods * 2)
     plan = plan_mesh(spec, JOB_UID, make_pod_refs(pods), [], [], None).plan
     assert plan is not None
-    body = make_job(replicas=pods, spares=0, global_batch=pods * 2,
-                    status={"phase": "Running", "epoch": 1, "plan": plan.to_wire()})
+    body = make_job(
+        replicas=pods, spares=0, global_batch=pods * 2, status={"phase": "Running", "epoch": 1, "plan": plan.to_wire()}
+    )
     job = JobRef.of(body)
     ctl = JobController(job, body, registry.settings, registry.book, registry.pusher, pods_of=list, nodes=dict)
     ctl.token = TOKEN
@@ -96,9 +106,12 @@ def main() -> int:
         loop = asyncio.new_event_loop()
         registry, port, runner = loop.run_until_complete(serve(args.pods))
         queue: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-        procs = [mp.get_context("fork").Process(target=_client, args=(port, pod_names[c::args.clients], batch,
-                                                                      args.seconds, queue))
-                 for c in range(args.clients)]
+        procs = [
+            mp.get_context("fork").Process(
+                target=_client, args=(port, pod_names[c :: args.clients], batch, args.seconds, queue)
+            )
+            for c in range(args.clients)
+        ]
         start = time.monotonic()
         for p in procs:
             p.start()
@@ -113,9 +126,11 @@ def main() -> int:
         loop.run_until_complete(runner.cleanup())  # type: ignore[attr-defined]
         loop.close()
         held = len(registry.book.epochs(JOB_UID))
-        print(f"batch {batch:3d}: {sent / elapsed:9.0f} reports/s accepted ({sent} in {elapsed:.1f} s, "
-              f"{args.clients} client processes), heartbeats held for {held} pods; "
-              f"a {args.pods}-pod job at a 2 s interval needs {args.pods / 2:.0f}/s")
+        print(
+            f"batch {batch:3d}: {sent / elapsed:9.0f} reports/s accepted ({sent} in {elapsed:.1f} s, "
+            f"{args.clients} client processes), heartbeats held for {held} pods; "
+            f"a {args.pods}-pod job at a 2 s interval needs {args.pods / 2:.0f}/s"
+        )
     return 0
 
 

@@ -75,9 +75,7 @@ _MODEL_FIELDS = {
 }
 
 
-def job_spec(
-    args: argparse.Namespace, dp: int, train_iters: int, collective_timeout: float = 60.0
-) -> MegatronJobSpec:
+def job_spec(args: argparse.Namespace, dp: int, train_iters: int, collective_timeout: float = 60.0) -> MegatronJobSpec:
     """The benchmark's job: TP=1, one GPU per pod, ``dp`` replicas and one spare, bf16; prints its size."""
     given = {k: getattr(args, k) for k in _MODEL_FIELDS if getattr(args, k) is not None}
     shape = given if args.preset else {**_DEFAULT_SHAPE, **given}

@@ -221,8 +221,11 @@ BAD_JOBS: tuple[BadJob, ...] = (
     BadJob("template-hostname", {"template": {"spec": {"hostname": "h"}}}, "spec.template.spec.hostname"),
     BadJob(
         "template-sidecar-on-the-agent-port",
-        {"template": {"spec": {"containers": [
-            {"name": "proxy", "image": "envoy", "ports": [{"containerPort": 29400}]}]}}},
+        {
+            "template": {
+                "spec": {"containers": [{"name": "proxy", "image": "envoy", "ports": [{"containerPort": 29400}]}]}
+            }
+        },
         "spec.template.spec.containers[].ports must not use 29400 or 29401",
     ),
     BadJob(
@@ -232,8 +235,11 @@ BAD_JOBS: tuple[BadJob, ...] = (
     ),
     BadJob(
         "template-trainer-port-named-agent",
-        {"template": {"spec": {"containers": [
-            {"name": "trainer", "ports": [{"name": "agent", "containerPort": 80}]}]}}},
+        {
+            "template": {
+                "spec": {"containers": [{"name": "trainer", "ports": [{"name": "agent", "containerPort": 80}]}]}
+            }
+        },
         "spec.template.spec.containers[].ports must not use 29400 or 29401",
     ),
     BadJob(
@@ -253,20 +259,29 @@ BAD_JOBS: tuple[BadJob, ...] = (
     ),
     BadJob(
         "template-gpus-contradict-gpus-per-pod",
-        {"resources": DELETE,
-         "template": {"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}}},
+        {
+            "resources": DELETE,
+            "template": {"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}},
+        },
         "spec.template.spec.containers[trainer].resources[nvidia.com/gpu] must equal spec.gpusPerPod",
     ),
     BadJob(
         "template-sidecar-with-gpus",
-        {"template": {"spec": {"containers": [{"name": "s", "image": "s", "resources": {"requests": {
-            "nvidia.com/gpu": 1}}}]}}},
+        {
+            "template": {
+                "spec": {"containers": [{"name": "s", "image": "s", "resources": {"requests": {"nvidia.com/gpu": 1}}}]}
+            }
+        },
         "only the trainer container gets nvidia.com/gpu",
     ),
     BadJob(
         "template-operator-variable",
-        {"env": DELETE, "template": {"spec": {"containers": [{"name": "trainer", "env": [
-            {"name": "MEGATRON_JOB_TOKEN", "value": "x"}]}]}}},
+        {
+            "env": DELETE,
+            "template": {
+                "spec": {"containers": [{"name": "trainer", "env": [{"name": "MEGATRON_JOB_TOKEN", "value": "x"}]}]}
+            },
+        },
         "spec.template.spec.containers[trainer].env must not set the operator's variables",
     ),
     BadJob(
@@ -287,15 +302,29 @@ BAD_JOBS: tuple[BadJob, ...] = (
     ),
     BadJob(
         "shm-size-and-own-shm",
-        {"shmSize": "8Gi", "template": {"spec": {"containers": [{"name": "trainer", "volumeMounts": [
-            {"name": "shm", "mountPath": "/dev/shm"}]}]}}},
+        {
+            "shmSize": "8Gi",
+            "template": {
+                "spec": {
+                    "containers": [{"name": "trainer", "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}]
+                }
+            },
+        },
         "spec.shmSize sizes the operator's /dev/shm",
     ),
     BadJob("shm-size-lots", {"shmSize": "lots"}, "spec.shmSize"),
     BadJob(
         "template-mount-on-the-checkpoint-path",
-        {"checkpoint.volumeClaimName": "ckpt", "template": {"spec": {"containers": [
-            {"name": "trainer", "volumeMounts": [{"name": "other", "mountPath": "/checkpoints/gpt-demo"}]}]}}},
+        {
+            "checkpoint.volumeClaimName": "ckpt",
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "trainer", "volumeMounts": [{"name": "other", "mountPath": "/checkpoints/gpt-demo"}]}
+                    ]
+                }
+            },
+        },
         "spec.template.spec.containers[trainer].volumeMounts mounts spec.checkpoint.path",
     ),
     BadJob(
@@ -305,14 +334,18 @@ BAD_JOBS: tuple[BadJob, ...] = (
     ),
     BadJob(
         "env-twice",
-        {"env": [{"name": "A", "value": "1"}], "template": {"spec": {"containers": [{"name": "trainer", "env": [
-            {"name": "B", "value": "2"}]}]}}},
+        {
+            "env": [{"name": "A", "value": "1"}],
+            "template": {"spec": {"containers": [{"name": "trainer", "env": [{"name": "B", "value": "2"}]}]}},
+        },
         "spec.env and spec.template.spec.containers[trainer].env are both set",
     ),
     BadJob(
         "pull-policy-twice",
-        {"imagePullPolicy": "Always",
-         "template": {"spec": {"containers": [{"name": "trainer", "imagePullPolicy": "Always"}]}}},
+        {
+            "imagePullPolicy": "Always",
+            "template": {"spec": {"containers": [{"name": "trainer", "imagePullPolicy": "Always"}]}},
+        },
         "spec.imagePullPolicy and spec.template.spec.containers[trainer].imagePullPolicy are both set",
     ),
     BadJob(

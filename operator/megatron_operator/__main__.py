@@ -22,9 +22,7 @@ from megatron_operator.token import TokenKeyError, read_key
 
 def main(argv: list[str] | None = None) -> int:
     """Run the operator until it is told to stop."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings = OperatorSettings()

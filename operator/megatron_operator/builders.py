@@ -289,12 +289,14 @@ def _spread(job: JobRef, spec: MegatronJobSpec, role: str, pod_spec: dict[str, A
     keys = failure_domain_keys(spec)
     for key in keys:
         if key not in taken:
-            constraints.append({
-                "maxSkew": 1,
-                "topologyKey": key,
-                "whenUnsatisfiable": spec.failure_domain.when_unsatisfiable,
-                "labelSelector": {"matchLabels": child_labels(job)},
-            })
+            constraints.append(
+                {
+                    "maxSkew": 1,
+                    "topologyKey": key,
+                    "whenUnsatisfiable": spec.failure_domain.when_unsatisfiable,
+                    "labelSelector": {"matchLabels": child_labels(job)},
+                }
+            )
     pod_spec["topologySpreadConstraints"] = constraints
     if role != wire.ROLE_SPARE:
         return
@@ -307,9 +309,7 @@ def _spread(job: JobRef, spec: MegatronJobSpec, role: str, pod_spec: dict[str, A
     pod_spec["affinity"] = affinity
 
 
-def build_pod(
-    job: JobRef, spec: MegatronJobSpec, *, serial: int, role: str, operator_url: str
-) -> dict[str, Any]:
+def build_pod(job: JobRef, spec: MegatronJobSpec, *, serial: int, role: str, operator_url: str) -> dict[str, Any]:
     """A trainer pod: the job's ``spec.template`` merged with what the operator owns.
 
     Workers and hot spares are built from the same template; only the role (and a spare's

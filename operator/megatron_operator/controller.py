@@ -208,9 +208,10 @@ class JobController:
                 raise
             except Exception:
                 failures_in_a_row += 1
-                log.exception("reconcile of %s/%s failed (%d in a row)", self.job.namespace, self.job.name,
-                              failures_in_a_row)
-            await self._sleep(min(2.0 ** failures_in_a_row, 30.0) if failures_in_a_row else self._idle())
+                log.exception(
+                    "reconcile of %s/%s failed (%d in a row)", self.job.namespace, self.job.name, failures_in_a_row
+                )
+            await self._sleep(min(2.0**failures_in_a_row, 30.0) if failures_in_a_row else self._idle())
 
     def _idle(self) -> float:
         try:
@@ -223,8 +224,11 @@ class JobController:
         if self.settling:
             due.append(0.25)  # listening for the first reports: look again soon
         retries = [b.next_at - now for b in self.backoffs.values() if b.failures and b.next_at > now]
-        retries += [t + NODE_NOT_READY_GRACE_SECONDS - now for t in self.down_since.values()
-                    if t + NODE_NOT_READY_GRACE_SECONDS > now]
+        retries += [
+            t + NODE_NOT_READY_GRACE_SECONDS - now
+            for t in self.down_since.values()
+            if t + NODE_NOT_READY_GRACE_SECONDS > now
+        ]
         return max(0.05, min([self.settings.resync_seconds, heartbeat, *due, *retries]))
 
     async def _sleep(self, seconds: float) -> None:
@@ -278,16 +282,32 @@ class JobController:
             self.book.last(self.job.uid, p.name) is None for p in pods if p.phase == "Running" and not p.deleting
         )
         if self.settling and not settling:
-            log.info("%s/%s: heard from every running pod (or waited %.1f s): plans may change the mesh now",
-                     self.job.namespace, self.job.name, fresh_age)
+            log.info(
+                "%s/%s: heard from every running pod (or waited %.1f s): plans may change the mesh now",
+                self.job.namespace,
+                self.job.name,
+                fresh_age,
+            )
         self.settling = settling
         nodes = self.nodes()
         self._place(spec, pods, members)
-        a = assess(spec, self.job.uid, self.status, pods, nodes, signals, self.failed,
-                   self.expected, checkpoint_step=self._checkpoint_step(), retired=self.retired,
-                   start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
-                   settling=settling, partition_hold=mono < self.partition_until,
-                   recently_down=self._recently_down(nodes, mono), placement=self.placement)
+        a = assess(
+            spec,
+            self.job.uid,
+            self.status,
+            pods,
+            nodes,
+            signals,
+            self.failed,
+            self.expected,
+            checkpoint_step=self._checkpoint_step(),
+            retired=self.retired,
+            start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
+            settling=settling,
+            partition_hold=mono < self.partition_until,
+            recently_down=self._recently_down(nodes, mono),
+            placement=self.placement,
+        )
         if a.partition is not None:
             self.partition_until = mono + PARTITION_HOLD_SECONDS
         assessed = time.monotonic()
@@ -299,8 +319,12 @@ class JobController:
                 self.detected_at = mono
                 self.goodput.failure_declared(time.time())
         if a.failures:
-            log.warning("%s/%s: failed pods: %s", self.job.namespace, self.job.name,
-                        "; ".join(f"{f.pod} ({f.reason.value})" for f in a.failures))
+            log.warning(
+                "%s/%s: failed pods: %s",
+                self.job.namespace,
+                self.job.name,
+                "; ".join(f"{f.pod} ({f.reason.value})" for f in a.failures),
+            )
 
         if a.terminal is not None:
             await self._terminate(a, spec, generation, now)
@@ -327,8 +351,20 @@ class JobController:
             self.push_backoff = {}
             phase, reason = phase_of(new_plan, False, False, True)
             # (1) The commit point: the plan is in status before any pod or agent hears of it.
-            await self._write_status(spec, a, plan, phase, reason, decision.message, recoveries, last_failure,
-                                     generation, now, force=True, recovery_epoch=recovery_epoch)
+            await self._write_status(
+                spec,
+                a,
+                plan,
+                phase,
+                reason,
+                decision.message,
+                recoveries,
+                last_failure,
+                generation,
+                now,
+                force=True,
+                recovery_epoch=recovery_epoch,
+            )
             metrics.PLANS.labels(**self._labels, reason=new_plan.reason.value).inc()
             events.append(("Normal", Reason.PLAN_CREATED, f"epoch {new_plan.epoch}: {decision.message}"))
             for name in decision.promoted:
@@ -336,9 +372,15 @@ class JobController:
                     events.append(("Normal", Reason.SPARE_PROMOTED, f"spare {name} joins the mesh"))
             self._post(events)
             events = []
-            log.info("%s/%s: plan epoch %d stored (%s); assess %.1f ms, status write %.1f ms",
-                     self.job.namespace, self.job.name, new_plan.epoch, decision.message[:300],
-                     (assessed - mono) * 1000, (time.monotonic() - assessed) * 1000)
+            log.info(
+                "%s/%s: plan epoch %d stored (%s); assess %.1f ms, status write %.1f ms",
+                self.job.namespace,
+                self.job.name,
+                new_plan.epoch,
+                decision.message[:300],
+                (assessed - mono) * 1000,
+                (time.monotonic() - assessed) * 1000,
+            )
             self._crash_point("plan-stored")
         elif decision is not None and decision.outcome is Outcome.WAIT and plan is not None:
             if not self.waiting:
@@ -362,9 +404,12 @@ class JobController:
         if a.retire:
             self.retired.update(a.retire)
             # The label first: an operator restarted before the pods are gone still knows them.
-            await asyncio.gather(*(kube.patch_pod_labels(self.job.namespace, name,
-                                                         builders.role_labels(wire.ROLE_RETIRED, None))
-                                   for name in a.retire))
+            await asyncio.gather(
+                *(
+                    kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
+                    for name in a.retire
+                )
+            )
             await self._delete((name, False) for name in a.retire)
             events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
         created = await self._create(spec, a.create_workers, a.create_spares, pods)
@@ -384,20 +429,38 @@ class JobController:
                 committed_epoch = plan.epoch
                 if self.detected_at is not None or is_recovery(plan):
                     duration = self._recovery_seconds(now, trained_at)
-                    self.goodput.recovered(time.time() - (time.monotonic() - trained_at),
-                                           self._step_time([m.pod for m in plan.members]))
+                    self.goodput.recovered(
+                        time.time() - (time.monotonic() - trained_at), self._step_time([m.pod for m in plan.members])
+                    )
                     metrics.RECOVERY_SECONDS.labels(**self._labels).observe(duration)
-                    events.append(("Normal", Reason.RECOVERED,
-                                   f"recovered: every one of the {len(plan.members)} members of epoch {plan.epoch} "
-                                   f"committed a training step, {duration:.3f} s after the failure"))
+                    events.append(
+                        (
+                            "Normal",
+                            Reason.RECOVERED,
+                            f"recovered: every one of the {len(plan.members)} members of epoch {plan.epoch} "
+                            f"committed a training step, {duration:.3f} s after the failure",
+                        )
+                    )
                 self.detected_at = None
         trained = plan is not None and committed_epoch >= plan.epoch
         phase, reason = phase_of(plan, trained, self.waiting, bool(pods) or bool(self.expected))
         message = "" if plan is None else f"epoch {plan.epoch}, mesh {plan.mesh_label}"
         if phase is JobPhase.DEGRADED and decision is not None:
             message = decision.message
-        await self._write_status(spec, a, plan, phase, reason, message, recoveries, last_failure, generation, now,
-                                 duration=duration, committed_epoch=committed_epoch)
+        await self._write_status(
+            spec,
+            a,
+            plan,
+            phase,
+            reason,
+            message,
+            recoveries,
+            last_failure,
+            generation,
+            now,
+            duration=duration,
+            committed_epoch=committed_epoch,
+        )
         self._post(events)
 
     def _place(self, spec: MegatronJobSpec, pods: list[PodFacts], members: list[str]) -> None:
@@ -435,9 +498,11 @@ class JobController:
             self.doubted.add(key)
             metrics.ACCUSATIONS_IGNORED.labels(**self._labels).inc()
             accused = acc.pod or f"rank {acc.rank}"
-            text = (f"{acc.reporter} reported {accused} failed in epoch {acc.epoch} ({acc.reason[:200]}); "
-                    "not acted on: not a member of the epoch, or not corroborated (its agent still reports, "
-                    "nobody else accuses it)")
+            text = (
+                f"{acc.reporter} reported {accused} failed in epoch {acc.epoch} ({acc.reason[:200]}); "
+                "not acted on: not a member of the epoch, or not corroborated (its agent still reports, "
+                "nobody else accuses it)"
+            )
             log.warning("%s/%s: %s", self.job.namespace, self.job.name, text)
             events.append(("Warning", Reason.ACCUSATION_IGNORED, text))
         if a.partition is not None and not self.partitioned:
@@ -482,8 +547,14 @@ class JobController:
         start = time.monotonic()
         outcomes: list[PushOutcome] = await self.pusher.push(plan, self.token, due)
         metrics.PUSH_SECONDS.labels(**self._labels).observe(time.monotonic() - start)
-        log.info("%s/%s: pushed epoch %d to %d members in %.1f ms", self.job.namespace, self.job.name, plan.epoch,
-                 len(outcomes), (time.monotonic() - start) * 1000)
+        log.info(
+            "%s/%s: pushed epoch %d to %d members in %.1f ms",
+            self.job.namespace,
+            self.job.name,
+            plan.epoch,
+            len(outcomes),
+            (time.monotonic() - start) * 1000,
+        )
         failed = []
         for o in outcomes:
             if o.result.delivered:
@@ -498,15 +569,31 @@ class JobController:
         events: list[tuple[str, str, str]] = []
         delivered = len(outcomes) - len(failed)
         if delivered:
-            events.append(("Normal", Reason.PLAN_PUSHED,
-                           f"epoch {plan.epoch} pushed to {delivered} members in {time.monotonic() - start:.3f} s"))
+            events.append(
+                (
+                    "Normal",
+                    Reason.PLAN_PUSHED,
+                    f"epoch {plan.epoch} pushed to {delivered} members in {time.monotonic() - start:.3f} s",
+                )
+            )
         if failed:
             sample = "; ".join(f"{o.pod}: {o.detail}" for o in failed[:3])
-            log.info("%s/%s: push of epoch %d failed for %d members (%s)", self.job.namespace, self.job.name,
-                     plan.epoch, len(failed), sample)
+            log.info(
+                "%s/%s: push of epoch %d failed for %d members (%s)",
+                self.job.namespace,
+                self.job.name,
+                plan.epoch,
+                len(failed),
+                sample,
+            )
             if any(self.push_backoff.get(o.pod, 0) >= 4 for o in failed):
-                events.append(("Warning", Reason.PLAN_PUSH_FAILED,
-                               f"epoch {plan.epoch} not delivered to {len(failed)} members: {sample}"))
+                events.append(
+                    (
+                        "Warning",
+                        Reason.PLAN_PUSH_FAILED,
+                        f"epoch {plan.epoch} not delivered to {len(failed)} members: {sample}",
+                    )
+                )
         return events
 
     async def _delete(self, doomed: Iterable[tuple[str, bool]]) -> None:
@@ -544,14 +631,19 @@ class JobController:
         try:
             start = await kube.reserve_serials(self.job.namespace, self.job.name, count, floor)
         except Exception as exc:  # any refusal is reported the same way, then retried
-            self.backoffs[Child.POD].failed(now, Reason.FAILED_CREATE_POD,
-                                            f"reserving pod names on the job: {kube.error_message(exc)}")
+            self.backoffs[Child.POD].failed(
+                now, Reason.FAILED_CREATE_POD, f"reserving pod names on the job: {kube.error_message(exc)}"
+            )
             log.warning("%s/%s: %s", self.job.namespace, self.job.name, self.backoffs[Child.POD].error)
             return []
         bodies = [
-            builders.build_pod(self.job, spec, serial=start + i,
-                               role=wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE,
-                               operator_url=self.settings.url)
+            builders.build_pod(
+                self.job,
+                spec,
+                serial=start + i,
+                role=wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE,
+                operator_url=self.settings.url,
+            )
             for i in range(count)
         ]
         deadline = now + EXPECTED_POD_SECONDS
@@ -573,8 +665,14 @@ class JobController:
         backoff = self.backoffs[Child.POD]
         if refused:
             backoff.failed(now, Reason.FAILED_CREATE_POD, "; ".join(refused[:3])[:2000])
-            log.warning("%s/%s: %d of %d pod creates refused: %s", self.job.namespace, self.job.name,
-                        len(refused), count, refused[0])
+            log.warning(
+                "%s/%s: %d of %d pod creates refused: %s",
+                self.job.namespace,
+                self.job.name,
+                len(refused),
+                count,
+                refused[0],
+            )
         else:
             self._resolved.add(Reason.FAILED_CREATE_POD)
             if backoff.reason == Reason.FAILED_CREATE_POD:
@@ -592,9 +690,14 @@ class JobController:
         for message in outcome.messages:
             backoff.failed(now, Reason.PODS_FAIL_AT_START, message)
         if outcome.failed and backoff.failures > 1:
-            log.warning("%s/%s: %d created pods in a row failed at start; next create in %.1f s (%s)",
-                        self.job.namespace, self.job.name, backoff.failures, max(0.0, backoff.next_at - now),
-                        outcome.messages[-1])
+            log.warning(
+                "%s/%s: %d created pods in a row failed at start; next create in %.1f s (%s)",
+                self.job.namespace,
+                self.job.name,
+                backoff.failures,
+                max(0.0, backoff.next_at - now),
+                outcome.messages[-1],
+            )
 
     async def _ensure_children(self, pods: list[PodFacts], *, pods_wanted: bool) -> None:
         """Apply the token Secret, the Service and the workers' PodDisruptionBudget when due; never
@@ -611,14 +714,19 @@ class JobController:
         # Pods stuck for want of the Secret prompt an apply on every pass: throttled.
         stuck = any(p.waiting == SECRET_MISSING_WAIT for p in pods)
         wanted = {
-            Child.SECRET: periodic or self.children_due or pods_wanted
+            Child.SECRET: periodic
+            or self.children_due
+            or pods_wanted
             or (stuck and now - self._secret_applied >= SECRET_PROMPT_SECONDS),
             Child.SERVICE: periodic or self.children_due,
             Child.DISRUPTION_BUDGET: self.settings.disruption_budgets and (periodic or self.children_due),
         }
         self.children_due = False
-        apply = {Child.SECRET: self._apply_secret, Child.SERVICE: self._apply_service,
-                 Child.DISRUPTION_BUDGET: self._apply_disruption_budget}
+        apply = {
+            Child.SECRET: self._apply_secret,
+            Child.SERVICE: self._apply_service,
+            Child.DISRUPTION_BUDGET: self._apply_disruption_budget,
+        }
         if not self.settings.disruption_budgets:
             del apply[Child.DISRUPTION_BUDGET]
         go = [k for k in apply if (wanted[k] or self.backoffs[k].failures) and self.backoffs[k].ready(now)]
@@ -631,8 +739,13 @@ class JobController:
             backoff = self.backoffs[kind]
             if isinstance(result, BaseException):
                 backoff.failed(now, _FAILED_CREATE[kind], f"applying {kind.value}: {kube.error_message(result)}")
-                log.warning("%s/%s: %s (failure %d in a row)", self.job.namespace, self.job.name, backoff.error,
-                            backoff.failures)
+                log.warning(
+                    "%s/%s: %s (failure %d in a row)",
+                    self.job.namespace,
+                    self.job.name,
+                    backoff.error,
+                    backoff.failures,
+                )
             else:
                 backoff.succeeded()
                 self._resolved.add(_FAILED_CREATE[kind])
@@ -656,12 +769,17 @@ class JobController:
         old = condition(self.status, ConditionType.CREATE_FAILED)
         if not v.failing and (old is None or old.status == "False" or old.reason not in self._resolved):
             return
-        if v.failing and old is not None and old.status == "True" and (old.reason, old.message) == (v.reason,
-                                                                                                      v.message):
+        if (
+            v.failing
+            and old is not None
+            and old.status == "True"
+            and (old.reason, old.message) == (v.reason, v.message)
+        ):
             return
         generation = self.body.get("metadata", {}).get("generation")
-        conditions = set_condition(self.status.conditions, ConditionType.CREATE_FAILED, v.failing, v.reason,
-                                   v.message, _now(), generation)
+        conditions = set_condition(
+            self.status.conditions, ConditionType.CREATE_FAILED, v.failing, v.reason, v.message, _now(), generation
+        )
         new = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
         await kube.write_status(self.job.namespace, self.job.name, status_body(new))
         self.status = new
@@ -679,8 +797,11 @@ class JobController:
             role = wire.ROLE_WORKER if p.name in replica_of else wire.ROLE_SPARE
             replica = str(replica_of[p.name]) if p.name in replica_of else None
             if p.role != role or p.replica != replica:
-                patches.append(kube.patch_pod_labels(self.job.namespace, p.name, builders.role_labels(
-                    role, replica_of.get(p.name))))
+                patches.append(
+                    kube.patch_pod_labels(
+                        self.job.namespace, p.name, builders.role_labels(role, replica_of.get(p.name))
+                    )
+                )
         if patches:
             await asyncio.gather(*patches)
 
@@ -773,12 +894,22 @@ class JobController:
     async def _terminate(self, a: Assessment, spec: MegatronJobSpec, generation: int | None, now: datetime) -> None:
         assert a.terminal is not None
         if self.status.phase is not a.terminal.phase:
-            await self._write_status(spec, a, self.plan, a.terminal.phase, a.terminal.reason, a.terminal.message,
-                                     self.status.recoveries, self.status.last_failure, generation, now, force=True)
+            await self._write_status(
+                spec,
+                a,
+                self.plan,
+                a.terminal.phase,
+                a.terminal.reason,
+                a.terminal.message,
+                self.status.recoveries,
+                self.status.last_failure,
+                generation,
+                now,
+                force=True,
+            )
             kind = "Warning" if a.terminal.phase is JobPhase.FAILED else "Normal"
             self._post([(kind, a.terminal.reason, a.terminal.message)])
-            log.warning("%s/%s: %s (%s)", self.job.namespace, self.job.name, a.terminal.phase.value,
-                        a.terminal.message)
+            log.warning("%s/%s: %s (%s)", self.job.namespace, self.job.name, a.terminal.phase.value, a.terminal.message)
         await self._delete(a.delete)
         if not a.delete:
             self.done = True
@@ -786,8 +917,17 @@ class JobController:
     async def _fail_invalid(self, exc: ValidationError) -> None:
         message = "; ".join(e["msg"] for e in exc.errors())[:2000]
         if self.status.phase is not JobPhase.FAILED:
-            obs = Observation(phase=JobPhase.FAILED, reason=Reason.INVALID_SPEC, message=message, plan=None,
-                              replicas=0, ready_workers=0, spares_ready=0, spares_wanted=0, recoveries=0)
+            obs = Observation(
+                phase=JobPhase.FAILED,
+                reason=Reason.INVALID_SPEC,
+                message=message,
+                plan=None,
+                replicas=0,
+                ready_workers=0,
+                spares_ready=0,
+                spares_wanted=0,
+                recoveries=0,
+            )
             new = compute_status(self.status, obs, _now())
             await kube.write_status(self.job.namespace, self.job.name, status_body(new))
             self.status = new

@@ -156,7 +156,11 @@ async def write_status(namespace: str, name: str, status: dict[str, Any]) -> Non
     """
     await _call(
         _custom().patch_namespaced_custom_object_status,
-        wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name,
+        wire.GROUP,
+        wire.VERSION,
+        namespace,
+        wire.PLURAL,
+        name,
         [{"op": "add", "path": "/status", "value": status}],
         _content_type="application/json-patch+json",
     )
@@ -181,7 +185,12 @@ async def reserve_serials(namespace: str, name: str, count: int, floor: int) -> 
         try:
             await _call(
                 _custom().patch_namespaced_custom_object,
-                wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name, patch,
+                wire.GROUP,
+                wire.VERSION,
+                namespace,
+                wire.PLURAL,
+                name,
+                patch,
             )
             return start
         except ApiException as exc:

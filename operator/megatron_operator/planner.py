@@ -201,12 +201,11 @@ def plan_mesh(
                 None,
                 message=f"{len(pool)} healthy pods; the first plan needs {min_units * shape.pods_per_unit}",
             )
-        units = [
-            [pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)
-        ]
+        units = [[pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)]
         promoted = tuple(p.name for u in units for p in u if p.name not in active)
-        plan = _build(spec, job_uid, 1, PlanReason.INITIAL, shape, units, None, 0, checkpoint_step, now,
-                      store_hosts, True)
+        plan = _build(
+            spec, job_uid, 1, PlanReason.INITIAL, shape, units, None, 0, checkpoint_step, now, store_hosts, True
+        )
         return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
 
     previous_units = _previous_units(previous, shape)
@@ -273,8 +272,20 @@ def plan_mesh(
     else:
         reason = PlanReason.REPLACE
     resume = _resume(resume_step, previous.resume_step)
-    plan = _build(spec, job_uid, previous.epoch + 1, reason, shape, new_units, previous, resume, checkpoint_step, now,
-                  store_hosts, previous_trained)
+    plan = _build(
+        spec,
+        job_uid,
+        previous.epoch + 1,
+        reason,
+        shape,
+        new_units,
+        previous,
+        resume,
+        checkpoint_step,
+        now,
+        store_hosts,
+        previous_trained,
+    )
     message = (
         f"{reason.value}: mesh {previous.mesh_label} -> {plan.mesh_label}"
         + (f", lost {', '.join(lost)}" if lost else "")
@@ -328,8 +339,9 @@ def _build(
                 rank = sizes.rank_of(coords)
                 ranks.append(rank)
                 mp_key_of[rank] = coords.model_parallel_key()
-            members.append(PlanMember(pod=pod.name, pod_uid=pod.uid, address=pod.address, agent_port=AGENT_PORT,
-                                      ranks=ranks))
+            members.append(
+                PlanMember(pod=pod.name, pod_uid=pod.uid, address=pod.address, agent_port=AGENT_PORT, ranks=ranks)
+            )
 
     sources = _state_sources(sizes, members, mp_key_of, previous, checkpoint_step, previous_trained)
     if previous is not None and sources.default is not StateSourceKind.SELF:
@@ -374,6 +386,7 @@ def _state_sources(
 ) -> _Sources:
     if previous is None:
         return _Sources(StateSourceKind.INIT, None, [], frozenset())
+
     # What each previous member held: pod (by UID when known) -> model-parallel keys it held. A
     # plan that never trained delivered nothing: only the ranks that kept their own state in it
     # hold one (a plan whose default was a reload or a fresh start leaves nobody holding any).
@@ -397,8 +410,11 @@ def _state_sources(
         if checkpoint_step is not None:
             return _Sources(StateSourceKind.CHECKPOINT, checkpoint_step, [], frozenset())
         return _Sources(StateSourceKind.INIT, None, [], frozenset())
-    listed = [StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=holder[mp_key_of[r]])
-              for r in sorted(keeps) if not keeps[r]]
+    listed = [
+        StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=holder[mp_key_of[r]])
+        for r in sorted(keeps)
+        if not keeps[r]
+    ]
     return _Sources(StateSourceKind.SELF, None, listed, frozenset(r for r, kept in keeps.items() if kept))
 
 

@@ -235,8 +235,14 @@ def assess(
         # Two checkpoints failed verification (worker/checkpoint.py); a new plan would restore
         # them again and fail again: stop and say why.
         unusable = Terminal(JobPhase.FAILED, Reason.CHECKPOINT_UNUSABLE, signals.checkpoint_unusable)
-        return _wind_down(status, pods, plan, {**known_failures, **{f.pod: f for f in failures}},
-                          terminal=unusable, failures=tuple(failures))
+        return _wind_down(
+            status,
+            pods,
+            plan,
+            {**known_failures, **{f.pod: f for f in failures}},
+            terminal=unusable,
+            failures=tuple(failures),
+        )
 
     if plan is not None and (
         signals.all_succeeded or all(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
@@ -272,10 +278,20 @@ def assess(
         # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
         # trainers agree on their actual step at rendezvous (worker/verify.py).
         resume = signals.completed_step
-        decision = plan_mesh(spec, job_uid, active, spares, failed, plan, resume_step=resume,
-                             checkpoint_step=checkpoint_step, store_hosts=signals.fresh,
-                             previous_trained=status.committed_epoch >= plan.epoch,
-                             retry=_abandoned(plan, signals, failed), placement=placement)
+        decision = plan_mesh(
+            spec,
+            job_uid,
+            active,
+            spares,
+            failed,
+            plan,
+            resume_step=resume,
+            checkpoint_step=checkpoint_step,
+            store_hosts=signals.fresh,
+            previous_trained=status.committed_epoch >= plan.epoch,
+            retry=_abandoned(plan, signals, failed),
+            placement=placement,
+        )
         if settling and decision.outcome is not Outcome.UNCHANGED:
             decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
         # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
@@ -285,8 +301,14 @@ def assess(
             status, plan, new_plan
         )
         if terminal is not None:
-            return _wind_down(status, pods, plan, {**known_failures, **{f.pod: f for f in failures}},
-                              terminal=terminal, failures=tuple(failures))
+            return _wind_down(
+                status,
+                pods,
+                plan,
+                {**known_failures, **{f.pod: f for f in failures}},
+                terminal=terminal,
+                failures=tuple(failures),
+            )
 
     # Replenish: one new pod for every pod of the full mesh plus spares that is not alive (or on
     # its way). Before the first plan the missing workers are created as workers.
@@ -313,8 +335,10 @@ def assess(
         # More pods than the mesh plus spares (spec.replicas or spec.spares lowered): the surplus
         # outside the plan goes, pods not yet ready first, then the newest.
         surplus = len(alive) + len(on_the_way) - target
-        outside = sorted((p for p in alive if p.name not in member_names),
-                         key=lambda p: (health[p.name][0] is PodHealth.READY, -p.serial))
+        outside = sorted(
+            (p for p in alive if p.name not in member_names),
+            key=lambda p: (health[p.name][0] is PodHealth.READY, -p.serial),
+        )
         retire = tuple(p.name for p in outside[: max(0, surplus)])
     ready_names = {p.name for p in ready}
     return Assessment(

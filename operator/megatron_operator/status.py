@@ -148,29 +148,45 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
 
     dp = obs.plan.sizes.dp if obs.plan is not None else 0
     if obs.phase is JobPhase.DEGRADED:
-        conditions = set_condition(conditions, ConditionType.DEGRADED, True, Reason.BELOW_MIN_REPLICAS, obs.message,
-                                   now, obs.generation)
+        conditions = set_condition(
+            conditions, ConditionType.DEGRADED, True, Reason.BELOW_MIN_REPLICAS, obs.message, now, obs.generation
+        )
     elif obs.plan is not None and dp < obs.replicas:
         conditions = set_condition(
-            conditions, ConditionType.DEGRADED, True, Reason.MESH_SHRUNK,
-            f"training with {dp} of {obs.replicas} data-parallel replicas", now, obs.generation,
+            conditions,
+            ConditionType.DEGRADED,
+            True,
+            Reason.MESH_SHRUNK,
+            f"training with {dp} of {obs.replicas} data-parallel replicas",
+            now,
+            obs.generation,
         )
     else:
-        conditions = set_condition(conditions, ConditionType.DEGRADED, False, Reason.FULL_MESH, "", now,
-                                   obs.generation)
+        conditions = set_condition(conditions, ConditionType.DEGRADED, False, Reason.FULL_MESH, "", now, obs.generation)
 
     if obs.spares_wanted == 0:
-        conditions = set_condition(conditions, ConditionType.SPARES_EXHAUSTED, False, Reason.NO_SPARES_REQUESTED,
-                                   "", now, obs.generation)
+        conditions = set_condition(
+            conditions, ConditionType.SPARES_EXHAUSTED, False, Reason.NO_SPARES_REQUESTED, "", now, obs.generation
+        )
     elif obs.spares_ready == 0:
         conditions = set_condition(
-            conditions, ConditionType.SPARES_EXHAUSTED, True, Reason.NO_SPARE_READY,
-            f"0 of {obs.spares_wanted} hot spares ready", now, obs.generation,
+            conditions,
+            ConditionType.SPARES_EXHAUSTED,
+            True,
+            Reason.NO_SPARE_READY,
+            f"0 of {obs.spares_wanted} hot spares ready",
+            now,
+            obs.generation,
         )
     else:
         conditions = set_condition(
-            conditions, ConditionType.SPARES_EXHAUSTED, False, Reason.SPARES_READY,
-            f"{obs.spares_ready} of {obs.spares_wanted} hot spares ready", now, obs.generation,
+            conditions,
+            ConditionType.SPARES_EXHAUSTED,
+            False,
+            Reason.SPARES_READY,
+            f"{obs.spares_ready} of {obs.spares_wanted} hot spares ready",
+            now,
+            obs.generation,
         )
 
     desired = len(obs.plan.members) if obs.plan is not None else 0
@@ -192,9 +208,7 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
         last_recovery_duration_seconds=obs.last_recovery_duration,
         last_failure=obs.last_failure,
         step=obs.step if obs.step is not None else old.step,
-        checkpoint_step=max(
-            (s for s in (obs.checkpoint_step, old.checkpoint_step) if s is not None), default=None
-        ),
+        checkpoint_step=max((s for s in (obs.checkpoint_step, old.checkpoint_step) if s is not None), default=None),
         start_time=old.start_time or (now if obs.plan is not None else None),
         completion_time=old.completion_time or (now if terminal else None),
     )

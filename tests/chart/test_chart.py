@@ -44,8 +44,17 @@ def test_renders_secure_operator(helm: Path) -> None:
     kinds = sorted(d["kind"] for d in docs)
     # The dashboard's ConfigMap is on by default (dashboard.enabled).
     assert kinds == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "Service",
-         "Secret", "ConfigMap"]
+        [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+            "Deployment",
+            "Service",
+            "Secret",
+            "ConfigMap",
+        ]
     ), kinds
     [deploy] = [d for d in docs if d["kind"] == "Deployment"]
     pod = deploy["spec"]["template"]["spec"]

@@ -45,8 +45,11 @@ def test_production_example_keeps_its_pod_template_as_given() -> None:
     spec = MegatronJob.model_validate(job).spec
     assert spec.template is not None and spec.to_wire()["template"] == job["spec"]["template"]
     trainer = spec.template.trainer()
-    assert trainer is not None and trainer.resources is not None and trainer.resources.limits == {
-        "memory": "1600Gi", "rdma/ib": 1}
+    assert (
+        trainer is not None
+        and trainer.resources is not None
+        and trainer.resources.limits == {"memory": "1600Gi", "rdma/ib": 1}
+    )
     assert spec.failure_domain.topology_key == "example.com/rack" and spec.shm_size == "64Gi"
 
 
@@ -72,8 +75,10 @@ def test_a_template_that_clashes_with_nothing_parses() -> None:
 
 
 def test_quantities_and_matching_gpus_parse() -> None:
-    resources = {"requests": {"cpu": "500m", "memory": "16Gi", "nvidia.com/gpu": 2},
-                 "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"}}
+    resources = {
+        "requests": {"cpu": "500m", "memory": "16Gi", "nvidia.com/gpu": 2},
+        "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"},
+    }
     job = MegatronJob.model_validate(with_spec(example_job("n" * 62 + "0"), resources=resources))
     assert job.spec.resources.requests["cpu"] == "500m" and job.spec.resources.limits["cpu"] == 4
 

@@ -108,8 +108,12 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
     for path in (secret_path, service_path):
         assert local_cluster.request("DELETE", path)[0] == 200
     with running_operator(local_cluster, namespace, log, port):
-        wait_for(lambda: token() is not None and local_cluster.request("GET", service_path)[0] == 200,
-                 "the Secret and the Service recreated by the new operator", 60, show)
+        wait_for(
+            lambda: token() is not None and local_cluster.request("GET", service_path)[0] == 200,
+            "the Secret and the Service recreated by the new operator",
+            60,
+            show,
+        )
         assert token() == before, "the recreated Secret holds another token: running pods would be locked out"
         status = job_status(local_cluster, namespace, name)
         victim = status["plan"]["members"][0]["pod"]
@@ -117,12 +121,17 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
         # The plan reaches the survivors and the spare only with the job's first token; the new
         # spare can start only with the recreated Secret (the node agent waits for it, as kubelet).
         wait_for(
-            lambda: (s := job_status(local_cluster, namespace, name)).get("epoch", 0) >= 2
-            and s.get("sparesReady") == 1,
-            "the spare promoted and a new spare running", 180, show,
+            lambda: (
+                (s := job_status(local_cluster, namespace, name)).get("epoch", 0) >= 2 and s.get("sparesReady") == 1
+            ),
+            "the spare promoted and a new spare running",
+            180,
+            show,
         )
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, name)).get("phase") == "Succeeded" and s,
-            "the job to succeed", 600, show,
+            "the job to succeed",
+            600,
+            show,
         )
         assert final["recoveries"] == 1 and final["step"] == 300, show()

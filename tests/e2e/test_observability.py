@@ -60,9 +60,11 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
         victim = status["plan"]["members"][0]["pod"]
         process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
         recovered = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, NAME)).get("epoch", 0) >= 2
-            and s.get("lastRecoveryDurationSeconds") is not None
-            and s,
+            lambda: (
+                (s := job_status(local_cluster, namespace, NAME)).get("epoch", 0) >= 2
+                and s.get("lastRecoveryDurationSeconds") is not None
+                and s
+            ),
             "the recovery",
             180,
             show,

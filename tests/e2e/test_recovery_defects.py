@@ -45,11 +45,11 @@ def nodes(local_cluster: LocalCluster) -> NodeAgent:
 
 
 def _job(name: str, samples: Path, **spec: Any) -> dict[str, Any]:
-    spec.setdefault("training", {"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 60, "lr": 0.001,
-                                 "seed": 7})
+    spec.setdefault("training", {"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 60, "lr": 0.001, "seed": 7})
     samples.mkdir(parents=True, exist_ok=True)
-    return make_elastic_job(name, pool=POOL, env=[{"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(samples)}],
-                            **spec)
+    return make_elastic_job(
+        name, pool=POOL, env=[{"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(samples)}], **spec
+    )
 
 
 def _submit(cluster: LocalCluster, namespace: str, job: dict[str, Any]) -> None:
@@ -100,8 +100,12 @@ def _check_samples(
 
 def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show: Callable[[], str]) -> dict[str, Any]:
     return wait_for(  # type: ignore[no-any-return]
-        lambda: (s := job_status(cluster, namespace, name)).get("phase") == "Running" and s.get("epoch") == epoch
-        and s.get("step", 0) >= 5 and s,
+        lambda: (
+            (s := job_status(cluster, namespace, name)).get("phase") == "Running"
+            and s.get("epoch") == epoch
+            and s.get("step", 0) >= 5
+            and s
+        ),
         f"{name} training at epoch {epoch}",
         300,
         show,
@@ -188,8 +192,13 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
     local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
 ) -> None:
     log, samples = tmp_path / "operator.log", tmp_path / "samples"
-    job = _job("calm", samples, replicas=2, spares=1,
-               training={"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 400, "lr": 0.001, "seed": 7})
+    job = _job(
+        "calm",
+        samples,
+        replicas=2,
+        spares=1,
+        training={"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 400, "lr": 0.001, "seed": 7},
+    )
 
     def show() -> str:
         return dump(local_cluster, namespace, log)
@@ -202,22 +211,42 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
         assert code == 200, secret
         token = base64.b64decode(secret["data"][wire.TOKEN_SECRET_KEY]).decode()
         uid = local_cluster.request("GET", JOBS.format(ns=namespace) + "/calm")[1]["metadata"]["uid"]
-        code = _report(url, token, {
-            "jobUid": uid, "pod": accuser, "epoch": 1, "state": "training", "healthy": True,
-            "failedPeers": [{"epoch": 1, "pod": accused, "reason": "a lie"}],
-        })
+        code = _report(
+            url,
+            token,
+            {
+                "jobUid": uid,
+                "pod": accuser,
+                "epoch": 1,
+                "state": "training",
+                "healthy": True,
+                "failedPeers": [{"epoch": 1, "pod": accused, "reason": "a lie"}],
+            },
+        )
         assert code == 200
-        wait_for(lambda: any(e.get("reason") == "PeerReportIgnored" for e in _events(local_cluster, namespace)),
-                 "the report announced as ignored", 60, show)
+        wait_for(
+            lambda: any(e.get("reason") == "PeerReportIgnored" for e in _events(local_cluster, namespace)),
+            "the report announced as ignored",
+            60,
+            show,
+        )
         step = job_status(local_cluster, namespace, "calm")["step"]
 
         # Every node NotReady at once, the pods still running and reporting.
         nodes.set_ready(False)
         try:
-            wait_for(lambda: any(e.get("reason") == "NodesNotReadyTogether" for e in _events(local_cluster, namespace)),
-                     "the partition announced", 60, show)
-            wait_for(lambda: job_status(local_cluster, namespace, "calm").get("step", 0) >= step + 10,
-                     "training to go on while the nodes are NotReady", 120, show)
+            wait_for(
+                lambda: any(e.get("reason") == "NodesNotReadyTogether" for e in _events(local_cluster, namespace)),
+                "the partition announced",
+                60,
+                show,
+            )
+            wait_for(
+                lambda: job_status(local_cluster, namespace, "calm").get("step", 0) >= step + 10,
+                "training to go on while the nodes are NotReady",
+                120,
+                show,
+            )
         finally:
             nodes.set_ready(True)
         final = wait_for(
@@ -228,6 +257,7 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
         )
         assert final["phase"] == "Succeeded" and final["recoveries"] == 0 and final["epoch"] == 1, show()
         assert {m["pod"] for m in final["plan"]["members"]} == {accuser, accused}
-        assert not any(e.get("reason") in ("PeerReportedFailure", "NodeNotReady")
-                       for e in _events(local_cluster, namespace)), show()
+        assert not any(
+            e.get("reason") in ("PeerReportedFailure", "NodeNotReady") for e in _events(local_cluster, namespace)
+        ), show()
         _check_samples(samples, 400, 6, show)

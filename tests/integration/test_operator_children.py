@@ -121,10 +121,27 @@ def test_a_pod_waiting_for_the_deleted_secret_has_it_recreated(h: Harness) -> No
     old = _delete(h, _secret_path(h))
     spare = next(n for n in h.pod_names() if n not in h.members(status))
     # What kubelet reports for a pod whose env names a Secret that is gone.
-    code, body = h.api.patch_pod_status(spare, {"phase": "Pending", "containerStatuses": [{
-        "name": "trainer", "ready": False, "restartCount": 0, "image": "trainer:test", "imageID": "",
-        "state": {"waiting": {"reason": "CreateContainerConfigError",
-                              "message": f'secret "{JOB}-token" not found'}}}]})
+    code, body = h.api.patch_pod_status(
+        spare,
+        {
+            "phase": "Pending",
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "trainer:test",
+                    "imageID": "",
+                    "state": {
+                        "waiting": {
+                            "reason": "CreateContainerConfigError",
+                            "message": f'secret "{JOB}-token" not found',
+                        }
+                    },
+                }
+            ],
+        },
+    )
     assert code == 200, body
     wait_for(lambda: _recreated(h, _secret_path(h), old), 10, "the Secret recreated for the waiting pod")
     assert h.api.token(JOB) == token
@@ -165,8 +182,7 @@ def test_refused_pod_creates_back_off_then_set_a_condition_and_event_naming_why(
     h.add_nodes(1)
     h.start_operator()
     # Requests above limits: valid quantities (the CRD takes them), but no pod can be made of them.
-    h.submit(replicas=2, spares=1, min_replicas=1,
-             resources={"requests": {"cpu": "2"}, "limits": {"cpu": "1"}})
+    h.submit(replicas=2, spares=1, min_replicas=1, resources={"requests": {"cpu": "2"}, "limits": {"cpu": "1"}})
     cond = wait_for(lambda: (c := _condition(h)) and c["status"] == "True" and c, T, "the CreateFailed condition")
     assert cond["reason"] == "FailedCreatePod", cond
     assert "must be less than or equal to cpu limit" in cond["message"], cond
@@ -200,8 +216,11 @@ def test_refused_pod_creates_back_off_then_set_a_condition_and_event_naming_why(
 
     # A fixed spec is retried at once, and the condition clears when the pods are created.
     code, body = h.cluster.request(
-        "PATCH", f"/apis/{wire.GROUP}/{wire.VERSION}/namespaces/{h.ns}/{wire.PLURAL}/{JOB}",
-        {"spec": {"resources": {"limits": {"cpu": "2"}}}}, content_type="application/merge-patch+json")
+        "PATCH",
+        f"/apis/{wire.GROUP}/{wire.VERSION}/namespaces/{h.ns}/{wire.PLURAL}/{JOB}",
+        {"spec": {"resources": {"limits": {"cpu": "2"}}}},
+        content_type="application/merge-patch+json",
+    )
     assert code == 200, body
     h.wait_running(1)
     cond = wait_for(lambda: (c := _condition(h)) and c["status"] == "False" and c, T, "the condition cleared")

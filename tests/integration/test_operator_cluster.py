@@ -127,9 +127,21 @@ def test_terminated_container_failed_phase_and_failed_spare_are_replaced(h: Harn
     assert members[0] not in h.members(status)
     promoted = next(n for n in h.members(status) if n not in members)
     spare_left = next(s for s in spares if s != promoted)
-    h.api.patch_pod_status(spare_left, {"containerStatuses": [{
-        "name": "trainer", "ready": False, "restartCount": 0, "image": "trainer:test", "imageID": "",
-        "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]})
+    h.api.patch_pod_status(
+        spare_left,
+        {
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "trainer:test",
+                    "imageID": "",
+                    "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+                }
+            ]
+        },
+    )
     # The failed spare is deleted and a new one takes its place; the plan does not change.
     wait_for(lambda: spare_left not in h.pod_names(), T, "failed spare deleted")
     h.wait_status(lambda s: s.get("sparesReady") == 2, "two spares ready")
@@ -186,8 +198,13 @@ def test_below_min_replicas_waits_degraded(h: Harness) -> None:
 
 
 def test_agents_stale_epoch_silence_and_peer_accusation(h: Harness) -> None:
-    status = _start(h, replicas=2, spares=2, min_replicas=1,
-                    failure_detection={"heartbeatIntervalSeconds": 0.5, "heartbeatTimeoutSeconds": 5})
+    status = _start(
+        h,
+        replicas=2,
+        spares=2,
+        min_replicas=1,
+        failure_detection={"heartbeatIntervalSeconds": 0.5, "heartbeatTimeoutSeconds": 5},
+    )
     op = h.operators[0]
     uid = h.api.job(JOB)["metadata"]["uid"]
     token = h.token()
@@ -204,15 +221,17 @@ def test_agents_stale_epoch_silence_and_peer_accusation(h: Harness) -> None:
     wait_for(lambda: len(h.agents.plans_for(a, status=None)) > pushes, T, "plan pushed again")
     h.agents.mute.discard(a)
     # One member's word alone does not fail a peer that still reports.
-    code, _ = h.agents.report(op.url, token, uid, a, 1,
-                              failed_peers=[{"epoch": 1, "pod": b, "reason": "allreduce timed out"}])
+    code, _ = h.agents.report(
+        op.url, token, uid, a, 1, failed_peers=[{"epoch": 1, "pod": b, "reason": "allreduce timed out"}]
+    )
     assert code == 200
     wait_for(lambda: "not acted on" in op.log_text(), T, "the lone accusation logged as not acted on")
     assert h.api.status(JOB)["epoch"] == 1
     # Once the accused falls quiet the report is corroborated: the peer is replaced.
     h.agents.mute.add(b)
-    code, _ = h.agents.report(op.url, token, uid, a, 1,
-                              failed_peers=[{"epoch": 1, "pod": b, "reason": "allreduce timed out again"}])
+    code, _ = h.agents.report(
+        op.url, token, uid, a, 1, failed_peers=[{"epoch": 1, "pod": b, "reason": "allreduce timed out again"}]
+    )
     assert code == 200
     status = h.wait_running(2)
     assert b not in h.members(status) and status["lastFailure"]["reason"] == "PeerReportedFailure"
@@ -287,8 +306,12 @@ def test_deleting_the_job_deletes_its_children(h: Harness) -> None:
 )
 def test_bad_jobs_are_rejected(local_cluster: Any, namespace: str, spec: dict[str, Any], message: str) -> None:
     api = JobApi(local_cluster, namespace)
-    body = {"apiVersion": wire.API_VERSION, "kind": wire.KIND, "metadata": {"name": "bad"},
-            "spec": {"image": "trainer:test", **spec}}
+    body = {
+        "apiVersion": wire.API_VERSION,
+        "kind": wire.KIND,
+        "metadata": {"name": "bad"},
+        "spec": {"image": "trainer:test", **spec},
+    }
     status, answer = api.create_job(body)
     assert status == 422, answer
     assert message in answer["message"], answer["message"]
@@ -302,8 +325,9 @@ def test_lowering_then_raising_replicas_resizes_without_a_recovery(h: Harness) -
     path = f"/apis/{wire.GROUP}/{wire.VERSION}/namespaces/{h.api.ns}/{wire.PLURAL}/{JOB}"
 
     def set_replicas(n: int) -> None:
-        code, body = h.cluster.request("PATCH", path, {"spec": {"replicas": n}},
-                                       content_type="application/merge-patch+json")
+        code, body = h.cluster.request(
+            "PATCH", path, {"spec": {"replicas": n}}, content_type="application/merge-patch+json"
+        )
         assert code == 200, body
 
     set_replicas(1)

@@ -101,9 +101,12 @@ def test_status_converges_while_another_client_keeps_writing_the_job(h: Harness)
         n = 0
         while not stop.is_set():
             n += 1
-            h.cluster.request("PATCH", f"/apis/megatron.dev/v1alpha1/namespaces/{h.ns}/megatronjobs/{JOB}",
-                              {"metadata": {"annotations": {"test/churn": str(n)}}},
-                              content_type="application/merge-patch+json")
+            h.cluster.request(
+                "PATCH",
+                f"/apis/megatron.dev/v1alpha1/namespaces/{h.ns}/megatronjobs/{JOB}",
+                {"metadata": {"annotations": {"test/churn": str(n)}}},
+                content_type="application/merge-patch+json",
+            )
 
     writer = threading.Thread(target=churn, daemon=True)
     writer.start()

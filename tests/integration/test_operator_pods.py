@@ -128,15 +128,23 @@ def test_the_replacement_comes_from_another_rack(h: Harness) -> None:
 
 
 def _label(h: Harness, node: str, rack: str) -> None:
-    code, body = h.cluster.request("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {RACK: rack}}},
-                                   content_type="application/merge-patch+json")
+    code, body = h.cluster.request(
+        "PATCH",
+        f"/api/v1/nodes/{node}",
+        {"metadata": {"labels": {RACK: rack}}},
+        content_type="application/merge-patch+json",
+    )
     assert code == 200, body
 
 
 def test_the_production_examples_pods_pass_pod_validation(local_cluster: Any, namespace: str) -> None:
     job = MegatronJob.model_validate(example_job("llama3-8b", PRODUCTION_EXAMPLE))
-    priority = {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "training-high"},
-                "value": 1000}
+    priority = {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": "training-high"},
+        "value": 1000,
+    }
     code, body = local_cluster.request("POST", "/apis/scheduling.k8s.io/v1/priorityclasses", priority)
     assert code in (201, 409), body
     ref = builders.JobRef("llama3-8b", namespace, "0c5d1f64-0000-4000-8000-000000000001")
@@ -162,8 +170,11 @@ def test_the_disruption_budget_lets_evictions_take_spares_but_no_worker(h: Harne
     h.submit(replicas=2, spares=1, min_replicas=1)
     status = h.wait_running(1)
     path = f"/apis/policy/v1/namespaces/{h.ns}/poddisruptionbudgets/{JOB}"
-    pdb = wait_for(lambda: (b := h.api.get(path)) and b.get("status", {}).get("currentHealthy") == 2 and b, T,
-                   "the budget counting both workers")
+    pdb = wait_for(
+        lambda: (b := h.api.get(path)) and b.get("status", {}).get("currentHealthy") == 2 and b,
+        T,
+        "the budget counting both workers",
+    )
     assert pdb["spec"]["minAvailable"] == 2 and pdb["status"]["disruptionsAllowed"] == 0
     assert pdb["spec"]["selector"]["matchLabels"] == {wire.LABEL_JOB: JOB, wire.LABEL_ROLE: wire.ROLE_WORKER}
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == h.api.job(JOB)["metadata"]["uid"]

@@ -172,8 +172,12 @@ def test_pod_waits_for_its_missing_secret_then_runs(
         time.sleep(0.1)
     assert pod["status"]["phase"] == "Pending", pod["status"]
     assert waiting[0]["reason"] == "CreateContainerConfigError" and 'secret "tok" not found' in waiting[0]["message"]
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tok"},
-              "data": {"token": base64.b64encode(b"late").decode()}}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "tok"},
+        "data": {"token": base64.b64encode(b"late").decode()},
+    }
     create(local_cluster, namespace, secret, "secrets")
     done = wait_pod(local_cluster, namespace, "patient", "Succeeded")
     assert done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0

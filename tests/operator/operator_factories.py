@@ -42,8 +42,9 @@ def make_spec(
     )
 
 
-def make_job(name: str = "job", namespace: str = "ns", *, uid: str = JOB_UID, status: dict[str, Any] | None = None,
-             **spec: Any) -> dict[str, Any]:
+def make_job(
+    name: str = "job", namespace: str = "ns", *, uid: str = JOB_UID, status: dict[str, Any] | None = None, **spec: Any
+) -> dict[str, Any]:
     """A MegatronJob body as the API server would return it."""
     body: dict[str, Any] = {
         "apiVersion": API_VERSION,
@@ -58,8 +59,10 @@ def make_job(name: str = "job", namespace: str = "ns", *, uid: str = JOB_UID, st
 
 def make_pod_refs(count: int, prefix: str = "p", start: int = 0) -> list[PodRef]:
     """Healthy pods for the planner: ``p0``, ``p1``, ... at 127.64.0.x."""
-    return [PodRef(f"{prefix}{i}", f"uid-{prefix}{i}", f"127.64.{i // 250}.{i % 250 + 1}")
-            for i in range(start, start + count)]
+    return [
+        PodRef(f"{prefix}{i}", f"uid-{prefix}{i}", f"127.64.{i // 250}.{i % 250 + 1}")
+        for i in range(start, start + count)
+    ]
 
 
 def make_pod(
@@ -84,8 +87,9 @@ def make_pod(
     if reason:
         status["reason"] = reason
     state = {"terminated": terminated} if terminated else {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
-    status["containerStatuses"] = [{"name": "trainer", "ready": phase == "Running" and not terminated,
-                                    "restartCount": restarts, "state": state}]
+    status["containerStatuses"] = [
+        {"name": "trainer", "ready": phase == "Running" and not terminated, "restartCount": restarts, "state": state}
+    ]
     meta: dict[str, Any] = {
         "name": name,
         "namespace": "ns",

@@ -64,8 +64,17 @@ def wait_for[T](check: Callable[[], T | None], timeout: float, what: str, interv
 class OperatorProcess:
     """A real operator process; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, *, report_port: int | None = None,
-                 lease_seconds: float = 3.0, identity: str | None = None, **env: str) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log_path: Path,
+        *,
+        report_port: int | None = None,
+        lease_seconds: float = 3.0,
+        identity: str | None = None,
+        **env: str,
+    ) -> None:
         self.report_port = report_port or free_port()
         self.log_path = log_path
         self.env = {
@@ -92,8 +101,13 @@ class OperatorProcess:
 
     def start(self) -> OperatorProcess:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_operator"], env=self.env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_operator"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         return self
 
@@ -200,8 +214,11 @@ class RecordingAgents:
                         self.held[pod or ip] = epoch
                         self.members[pod or ip] = {m["pod"] for m in body["members"]}
             with self._lock:
-                self.received.append(Received(pod, ip, epoch, body["reason"],
-                                              [m["pod"] for m in body["members"]], time.monotonic(), status))
+                self.received.append(
+                    Received(
+                        pod, ip, epoch, body["reason"], [m["pod"] for m in body["members"]], time.monotonic(), status
+                    )
+                )
             return web.json_response({"epoch": self.held.get(pod or ip, 0)}, status=status)
 
         app = web.Application(client_max_size=wire.MAX_BODY_BYTES)
@@ -216,9 +233,20 @@ class RecordingAgents:
         with self._lock:
             return [r.epoch for r in self.received if r.pod == pod and (status is None or r.status == status)]
 
-    def report(self, operator_url: str, token: str, job_uid: str, pod: str, epoch: int, *, state: str = "training",
-               step: int | None = None, failed_peers: list[dict[str, Any]] | None = None,
-               healthy: bool = True, checkpoint_step: int | None = None) -> tuple[int, Any]:
+    def report(
+        self,
+        operator_url: str,
+        token: str,
+        job_uid: str,
+        pod: str,
+        epoch: int,
+        *,
+        state: str = "training",
+        step: int | None = None,
+        failed_peers: list[dict[str, Any]] | None = None,
+        healthy: bool = True,
+        checkpoint_step: int | None = None,
+    ) -> tuple[int, Any]:
         """Send one heartbeat to the operator as the pod's agent would."""
         report = {"jobUid": job_uid, "pod": pod, "epoch": epoch, "state": state, "healthy": healthy}
         if step is not None:
@@ -236,8 +264,7 @@ class RecordingAgents:
         ``operator_urls``, once ``job_uid`` and the token are known: a spare before a plan names
         the pod, afterwards a training step more each time."""
         self._beating.set()
-        self._beats = threading.Thread(target=self._beat_loop, args=(period,), name="recording-heartbeats",
-                                       daemon=True)
+        self._beats = threading.Thread(target=self._beat_loop, args=(period,), name="recording-heartbeats", daemon=True)
         self._beats.start()
 
     def _beat_loop(self, period: float) -> None:
@@ -269,8 +296,11 @@ class RecordingAgents:
     async def _post(self, operator_url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
         if self._session is None:
             self._session = ClientSession(timeout=ClientTimeout(total=5))
-        async with self._session.post(f"{operator_url}{wire.OPERATOR_REPORT_PATH}", json=body,
-                                      headers={wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}"}) as resp:
+        async with self._session.post(
+            f"{operator_url}{wire.OPERATOR_REPORT_PATH}",
+            json=body,
+            headers={wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}"},
+        ) as resp:
             return resp.status, await resp.json()
 
     def close(self) -> None:
@@ -324,8 +354,13 @@ class JobApi:
         return items
 
     def running_pods(self, job: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods(job) if (p.get("status") or {}).get("phase") == "Running"
-                and p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")]
+        return [
+            p
+            for p in self.pods(job)
+            if (p.get("status") or {}).get("phase") == "Running"
+            and p["status"].get("podIP")
+            and not p["metadata"].get("deletionTimestamp")
+        ]
 
     def delete_pod(self, name: str, grace: int | None = 0) -> None:
         query = f"?gracePeriodSeconds={grace}" if grace is not None else ""
@@ -333,8 +368,11 @@ class JobApi:
 
     def patch_pod_status(self, name: str, status: dict[str, Any]) -> tuple[int, Any]:
         result: tuple[int, Any] = self.cluster.request(
-            "PATCH", f"/api/v1/namespaces/{self.ns}/pods/{name}/status", {"status": status},
-            content_type="application/merge-patch+json")
+            "PATCH",
+            f"/api/v1/namespaces/{self.ns}/pods/{name}/status",
+            {"status": status},
+            content_type="application/merge-patch+json",
+        )
         return result
 
     def get(self, path: str) -> Any:
@@ -361,8 +399,9 @@ class JobApi:
                 slim["metadata"] = {k: slim["metadata"].get(k) for k in ("name", "labels", "deletionTimestamp")}
                 out.append(json.dumps(slim, default=str)[:3000])
         for ev in self.events()[-40:]:
-            out.append(f"event {ev.get('type')} {ev.get('reason')} {ev['involvedObject'].get('name')}: "
-                       f"{ev.get('message')}")
+            out.append(
+                f"event {ev.get('type')} {ev.get('reason')} {ev['involvedObject'].get('name')}: {ev.get('message')}"
+            )
         return "\n".join(out)
 
 
@@ -393,8 +432,10 @@ class Harness:
         while not self._stop.wait(0.05):
             try:
                 if self.agents.job_uid is None:
-                    self.agents.job_uid = ((self.api.get(f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}/{self.job}")
-                                            or {}).get("metadata") or {}).get("uid")
+                    self.agents.job_uid = (
+                        (self.api.get(f"{JOBS}/namespaces/{self.ns}/{wire.PLURAL}/{self.job}") or {}).get("metadata")
+                        or {}
+                    ).get("uid")
                 self.agents.sync(self.api.running_pods(self.job))
             except Exception as exc:  # the cluster may be busy; the next round retries
                 print(f"agent sync: {exc}", file=sys.stderr)
@@ -402,19 +443,28 @@ class Harness:
     def add_nodes(self, count: int) -> list[str]:
         names = self.cluster.add_gpu_nodes(count, gpus_per_node=8, prefix=f"{self.ns}-n")
         for name in names:
-            self.cluster.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": {POOL_LABEL: self.ns}}},
-                                 content_type="application/merge-patch+json")
+            self.cluster.request(
+                "PATCH",
+                f"/api/v1/nodes/{name}",
+                {"metadata": {"labels": {POOL_LABEL: self.ns}}},
+                content_type="application/merge-patch+json",
+            )
         self.nodes.extend(names)
         return names
 
     def cordon(self, names: list[str], unschedulable: bool = True) -> None:
         for name in names:
-            self.cluster.request("PATCH", f"/api/v1/nodes/{name}", {"spec": {"unschedulable": unschedulable}},
-                                 content_type="application/merge-patch+json")
+            self.cluster.request(
+                "PATCH",
+                f"/api/v1/nodes/{name}",
+                {"spec": {"unschedulable": unschedulable}},
+                content_type="application/merge-patch+json",
+            )
 
     def start_operator(self, **env: str) -> OperatorProcess:
-        op = OperatorProcess(self.cluster.kubeconfig, self.ns, self.tmp / f"operator-{len(self.operators)}.log",
-                             **env).start()
+        op = OperatorProcess(
+            self.cluster.kubeconfig, self.ns, self.tmp / f"operator-{len(self.operators)}.log", **env
+        ).start()
         self.operators.append(op)
         self.agents.operator_urls.append(op.url)
         return op
@@ -431,8 +481,11 @@ class Harness:
         return wait_for(lambda: (s := self.api.status(self.job)) and check(s) and s, timeout, what)
 
     def wait_running(self, epoch: int, timeout: float = WAIT_SECONDS) -> dict[str, Any]:
-        return self.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch") == epoch,
-                                f"phase Running at epoch {epoch}", timeout)
+        return self.wait_status(
+            lambda s: s.get("phase") == "Running" and s.get("epoch") == epoch,
+            f"phase Running at epoch {epoch}",
+            timeout,
+        )
 
     def members(self, status: dict[str, Any]) -> list[str]:
         return [m["pod"] for m in status["plan"]["members"]]

@@ -48,31 +48,52 @@ def test_worker_and_spare_share_a_template() -> None:
     env_s = spare["spec"]["containers"][0].pop("env")
     # A spare prefers nodes without the job's workers: a spare beside a worker dies with it.
     anti = spare["spec"].pop("affinity")["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert anti == [{"weight": 100, "podAffinityTerm": {
-        "topologyKey": "kubernetes.io/hostname",
-        "labelSelector": {"matchLabels": {wire.LABEL_JOB: "llm", wire.LABEL_ROLE: wire.ROLE_WORKER}}}}]
+    assert anti == [
+        {
+            "weight": 100,
+            "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {wire.LABEL_JOB: "llm", wire.LABEL_ROLE: wire.ROLE_WORKER}},
+            },
+        }
+    ]
     assert "affinity" not in worker["spec"]
     assert worker == spare
     assert [e for e in env_w if e["name"] != wire.ENV_POD_ROLE] == [e for e in env_s if e["name"] != wire.ENV_POD_ROLE]
 
 
 def test_pod_shape() -> None:
-    spec = make_spec(replicas=2, gpus_per_pod=4, tp=4, resources={"requests": {"cpu": 8}, "limits": {"memory": "64Gi"}},
-                     node_selector={"pool": "h100"})
+    spec = make_spec(
+        replicas=2,
+        gpus_per_pod=4,
+        tp=4,
+        resources={"requests": {"cpu": 8}, "limits": {"memory": "64Gi"}},
+        node_selector={"pool": "h100"},
+    )
     pod = builders.build_pod(JOB, spec, serial=7, role=wire.ROLE_WORKER, operator_url="http://op:29500")
     meta, pspec = pod["metadata"], pod["spec"]
     assert meta["name"] == "llm-7" and meta["namespace"] == "team-a"
     assert meta["labels"] == {wire.LABEL_JOB: "llm", wire.LABEL_ROLE: "worker", wire.LABEL_POD_INDEX: "7"}
     assert meta["annotations"] == {"kubectl.kubernetes.io/default-container": "trainer"}
-    assert meta["ownerReferences"] == [{"apiVersion": wire.API_VERSION, "kind": wire.KIND, "name": "llm",
-                                        "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": wire.API_VERSION,
+            "kind": wire.KIND,
+            "name": "llm",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert pspec["restartPolicy"] == "Never"
     assert pspec["automountServiceAccountToken"] is False
     assert pspec["nodeSelector"] == {"pool": "h100"}
     assert pspec["subdomain"] == "llm" and pspec["hostname"] == "llm-7"
     container = pspec["containers"][0]
-    assert container["resources"] == {"requests": {"cpu": "8", "nvidia.com/gpu": "4"},
-                                      "limits": {"memory": "64Gi", "nvidia.com/gpu": "4"}}
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "nvidia.com/gpu": "4"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "4"},
+    }
     ports = {p["containerPort"] for p in container["ports"]}
     assert ports == {wire.AGENT_PORT, wire.RENDEZVOUS_PORT}
     env = {e["name"]: e for e in container["env"]}
@@ -88,9 +109,14 @@ def test_pod_shape() -> None:
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     assert pspec["volumes"] == [{"name": "megatron-shm", "emptyDir": {"medium": "Memory"}}]
     assert container["volumeMounts"] == [{"name": "megatron-shm", "mountPath": "/dev/shm"}]
-    assert pspec["topologySpreadConstraints"] == [{
-        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-        "labelSelector": {"matchLabels": {wire.LABEL_JOB: "llm"}}}]
+    assert pspec["topologySpreadConstraints"] == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {wire.LABEL_JOB: "llm"}},
+        }
+    ]
 
 
 def test_user_env_never_overrides_ours() -> None:
@@ -106,8 +132,10 @@ def test_user_env_never_overrides_ours() -> None:
 def test_checkpoint_volume_is_mounted() -> None:
     spec = make_spec(checkpoint={"path": "/ckpt", "volumeClaimName": "ckpt-pvc"})
     pod = builders.build_pod(JOB, spec, serial=0, role=wire.ROLE_WORKER, operator_url="u")
-    assert pod["spec"]["volumes"][-1] == {"name": "megatron-checkpoints",
-                                          "persistentVolumeClaim": {"claimName": "ckpt-pvc"}}
+    assert pod["spec"]["volumes"][-1] == {
+        "name": "megatron-checkpoints",
+        "persistentVolumeClaim": {"claimName": "ckpt-pvc"},
+    }
     assert pod["spec"]["containers"][0]["volumeMounts"][-1] == {"name": "megatron-checkpoints", "mountPath": "/ckpt"}
 
 
@@ -160,8 +188,13 @@ PRODUCTION_TEMPLATE: dict[str, Any] = {
         "schedulerName": "volcano",
         "runtimeClassName": "nvidia",
         "imagePullSecrets": [{"name": "registry"}],
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]
+                }
+            }
+        },
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": True}}],
         "initContainers": [{"name": "fetch", "image": "busybox", "command": ["true"]}],
@@ -169,8 +202,10 @@ PRODUCTION_TEMPLATE: dict[str, Any] = {
             {"name": "log-shipper", "image": "fluent-bit:3", "args": ["-c", "/etc/fb.conf"]},
             {
                 "name": "trainer",
-                "env": [{"name": "NCCL_IB_HCA", "value": "mlx5"},
-                        {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+                "env": [
+                    {"name": "NCCL_IB_HCA", "value": "mlx5"},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                ],
                 "resources": {"limits": {"rdma/ib": 1, "memory": "512Gi"}, "requests": {"cpu": "32"}},
                 "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
                 "ports": [{"name": "debug", "containerPort": 5678}],
@@ -185,8 +220,14 @@ def test_template_reaches_the_pod_merged_with_what_is_ours() -> None:
     meta, pspec = pod["metadata"], pod["spec"]
     assert meta["labels"]["team"] == "llm" and meta["labels"][wire.LABEL_JOB] == "llm"
     assert meta["annotations"]["sidecar.istio.io/inject"] == "false"
-    for field in ("priorityClassName", "schedulerName", "runtimeClassName", "imagePullSecrets", "tolerations",
-                  "initContainers"):
+    for field in (
+        "priorityClassName",
+        "schedulerName",
+        "runtimeClassName",
+        "imagePullSecrets",
+        "tolerations",
+        "initContainers",
+    ):
         assert pspec[field] == PRODUCTION_TEMPLATE["spec"][field], field
     assert pspec["affinity"] == PRODUCTION_TEMPLATE["spec"]["affinity"]  # a worker: nothing of ours added
     assert pspec["restartPolicy"] == "Never" and pspec["automountServiceAccountToken"] is False
@@ -198,13 +239,19 @@ def test_template_reaches_the_pod_merged_with_what_is_ours() -> None:
     names = [e["name"] for e in trainer["env"]]
     assert names[0] == wire.ENV_JOB_NAME and names[-2:] == ["NCCL_IB_HCA", "NODE"]
     assert trainer["env"][-1]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
-    assert trainer["resources"] == {"limits": {"rdma/ib": "1", "memory": "512Gi", "nvidia.com/gpu": "8"},
-                                    "requests": {"cpu": "32", "nvidia.com/gpu": "8"}}
+    assert trainer["resources"] == {
+        "limits": {"rdma/ib": "1", "memory": "512Gi", "nvidia.com/gpu": "8"},
+        "requests": {"cpu": "32", "nvidia.com/gpu": "8"},
+    }
     assert [p["containerPort"] for p in trainer["ports"]] == [wire.AGENT_PORT, wire.RENDEZVOUS_PORT, 5678]
-    assert trainer["volumeMounts"] == [{"name": "data", "mountPath": "/data", "readOnly": True},
-                                       {"name": "megatron-shm", "mountPath": "/dev/shm"}]
-    assert pspec["volumes"] == [PRODUCTION_TEMPLATE["spec"]["volumes"][0],
-                                {"name": "megatron-shm", "emptyDir": {"medium": "Memory"}}]
+    assert trainer["volumeMounts"] == [
+        {"name": "data", "mountPath": "/data", "readOnly": True},
+        {"name": "megatron-shm", "mountPath": "/dev/shm"},
+    ]
+    assert pspec["volumes"] == [
+        PRODUCTION_TEMPLATE["spec"]["volumes"][0],
+        {"name": "megatron-shm", "emptyDir": {"medium": "Memory"}},
+    ]
     # RDMA pins memory: IPC_LOCK, and nothing else, on top of dropping every capability.
     assert trainer["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     # The trainer does not need the pod template: it stays out of the spec it is given.
@@ -213,31 +260,54 @@ def test_template_reaches_the_pod_merged_with_what_is_ours() -> None:
 
 
 def test_a_spare_adds_its_anti_affinity_to_the_templates() -> None:
-    pod = _pod(wire.ROLE_SPARE, template=PRODUCTION_TEMPLATE, gpus_per_pod=8, tp=8, replicas=1,
-               failure_domain={"topologyKey": "topology.kubernetes.io/zone"})
+    pod = _pod(
+        wire.ROLE_SPARE,
+        template=PRODUCTION_TEMPLATE,
+        gpus_per_pod=8,
+        tp=8,
+        replicas=1,
+        failure_domain={"topologyKey": "topology.kubernetes.io/zone"},
+    )
     affinity = pod["spec"]["affinity"]
     assert affinity["nodeAffinity"] == PRODUCTION_TEMPLATE["spec"]["affinity"]["nodeAffinity"]
     terms = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert [(t["weight"], t["podAffinityTerm"]["topologyKey"]) for t in terms] == [
-        (100, "kubernetes.io/hostname"), (50, "topology.kubernetes.io/zone")]
+        (100, "kubernetes.io/hostname"),
+        (50, "topology.kubernetes.io/zone"),
+    ]
     assert "podAntiAffinity" not in PRODUCTION_TEMPLATE["spec"]["affinity"]  # the spec was not modified
 
 
 def test_shorthands_land_where_the_templates_fields_would() -> None:
-    pod = _pod(resources={"limits": {"rdma/hca_shared_devices_a": 1}}, env=[{"name": "A", "value": "1"}],
-               node_selector={"pool": "h100"}, tolerations=[{"key": "gpu", "operator": "Exists"}],
-               image_pull_policy="Always")
+    pod = _pod(
+        resources={"limits": {"rdma/hca_shared_devices_a": 1}},
+        env=[{"name": "A", "value": "1"}],
+        node_selector={"pool": "h100"},
+        tolerations=[{"key": "gpu", "operator": "Exists"}],
+        image_pull_policy="Always",
+    )
     trainer = _trainer(pod)
     assert trainer["resources"]["limits"] == {"rdma/hca_shared_devices_a": "1", "nvidia.com/gpu": "1"}
     assert trainer["env"][-1] == {"name": "A", "value": "1"} and trainer["imagePullPolicy"] == "Always"
     assert trainer["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
-    same = _pod(template={"spec": {"nodeSelector": {"pool": "h100"}, "tolerations": [
-        {"key": "gpu", "operator": "Exists"}], "containers": [{"name": "trainer", "imagePullPolicy": "Always",
-                                                               "env": [{"name": "A", "value": "1"}],
-                                                               "resources": {"limits": {
-                                                                   "rdma/hca_shared_devices_a": 1}}}]}})
+    same = _pod(
+        template={
+            "spec": {
+                "nodeSelector": {"pool": "h100"},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "imagePullPolicy": "Always",
+                        "env": [{"name": "A", "value": "1"}],
+                        "resources": {"limits": {"rdma/hca_shared_devices_a": 1}},
+                    }
+                ],
+            }
+        }
+    )
     for each in (same, pod):  # the spec the trainer reads differs, as its fields do
         _trainer(each)["env"] = [e for e in _trainer(each)["env"] if e["name"] != wire.ENV_JOB_SPEC]
     assert same == pod
@@ -246,26 +316,55 @@ def test_shorthands_land_where_the_templates_fields_would() -> None:
 def test_shm_is_sized_or_replaced_by_the_templates() -> None:
     sized = _pod(shm_size="64Gi")
     assert sized["spec"]["volumes"] == [{"name": "megatron-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}]
-    own = {"spec": {"volumes": [{"name": "shm", "hostPath": {"path": "/dev/shm"}}],
-                    "containers": [{"name": "trainer", "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}]}}
+    own = {
+        "spec": {
+            "volumes": [{"name": "shm", "hostPath": {"path": "/dev/shm"}}],
+            "containers": [{"name": "trainer", "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}],
+        }
+    }
     pod = _pod(template=own)
     assert pod["spec"]["volumes"] == own["spec"]["volumes"]
     assert _trainer(pod)["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
 
 
 def test_the_template_relaxes_secure_defaults_field_by_field() -> None:
-    pod = _pod(template={"spec": {
-        "securityContext": {"runAsNonRoot": False, "runAsUser": 0, "fsGroup": 1000},
-        "containers": [{"name": "trainer", "securityContext": {
-            "allowPrivilegeEscalation": True, "capabilities": {"add": ["SYS_PTRACE"]}}}],
-    }}, resources={})
-    assert pod["spec"]["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0, "fsGroup": 1000,
-                                              "seccompProfile": {"type": "RuntimeDefault"}}
-    assert _trainer(pod)["securityContext"] == {"allowPrivilegeEscalation": True,
-                                                "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]}}
-    rdma = _pod(template={"spec": {"containers": [{"name": "trainer", "resources": {"limits": {"rdma/ib": 1}},
-                                                    "securityContext": {"capabilities": {
-                                                        "add": ["SYS_PTRACE"], "drop": []}}}]}})
+    pod = _pod(
+        template={
+            "spec": {
+                "securityContext": {"runAsNonRoot": False, "runAsUser": 0, "fsGroup": 1000},
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "securityContext": {"allowPrivilegeEscalation": True, "capabilities": {"add": ["SYS_PTRACE"]}},
+                    }
+                ],
+            }
+        },
+        resources={},
+    )
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": False,
+        "runAsUser": 0,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert _trainer(pod)["securityContext"] == {
+        "allowPrivilegeEscalation": True,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]},
+    }
+    rdma = _pod(
+        template={
+            "spec": {
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "resources": {"limits": {"rdma/ib": 1}},
+                        "securityContext": {"capabilities": {"add": ["SYS_PTRACE"], "drop": []}},
+                    }
+                ]
+            }
+        }
+    )
     assert _trainer(rdma)["securityContext"]["capabilities"] == {"drop": [], "add": ["IPC_LOCK", "SYS_PTRACE"]}
 
 
@@ -280,10 +379,16 @@ def test_pods_spread_over_nodes_and_the_failure_domain_label() -> None:
     pod = _pod(failure_domain={"topologyKey": "example.com/rack", "whenUnsatisfiable": "DoNotSchedule"})
     spread = pod["spec"]["topologySpreadConstraints"]
     assert [(c["topologyKey"], c["whenUnsatisfiable"], c["maxSkew"]) for c in spread] == [
-        ("kubernetes.io/hostname", "DoNotSchedule", 1), ("example.com/rack", "DoNotSchedule", 1)]
+        ("kubernetes.io/hostname", "DoNotSchedule", 1),
+        ("example.com/rack", "DoNotSchedule", 1),
+    ]
     assert all(c["labelSelector"] == {"matchLabels": {wire.LABEL_JOB: "llm"}} for c in spread)
     # The template's own constraint on a key wins over ours.
-    mine = {"maxSkew": 2, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": {"team": "llm"}}}
+    mine = {
+        "maxSkew": 2,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"team": "llm"}},
+    }
     pod = _pod(template={"spec": {"topologySpreadConstraints": [mine]}})
     assert pod["spec"]["topologySpreadConstraints"] == [mine]

@@ -67,10 +67,18 @@ def test_push_reaches_every_member_and_classifies_answers() -> None:
             await pusher.close()
             for r in runners:
                 await r.cleanup()
-        assert outcomes == {"p0": PushResult.ACCEPTED, "p1": PushResult.ALREADY_HELD, "p2": PushResult.UNAUTHORIZED,
-                            "p3": PushResult.ERROR, "p4": PushResult.ERROR}
-        assert [o.delivered for o in (PushResult.ACCEPTED, PushResult.ALREADY_HELD, PushResult.ERROR)] == \
-            [True, True, False]
+        assert outcomes == {
+            "p0": PushResult.ACCEPTED,
+            "p1": PushResult.ALREADY_HELD,
+            "p2": PushResult.UNAUTHORIZED,
+            "p3": PushResult.ERROR,
+            "p4": PushResult.ERROR,
+        }
+        assert [o.delivered for o in (PushResult.ACCEPTED, PushResult.ALREADY_HELD, PushResult.ERROR)] == [
+            True,
+            True,
+            False,
+        ]
         assert len(seen) == 4 and all(auth == "Bearer tok" for auth, _ in seen)
         assert MeshPlan.model_validate(seen[0][1]) == plan
 
@@ -101,6 +109,7 @@ def test_report_endpoint_authenticates_and_answers_the_epoch() -> None:
         report = {"jobUid": JOB_UID, "pod": "p0", "epoch": 3, "state": "training", "step": 5}
         try:
             async with ClientSession() as s:
+
                 async def post(body: Any, token: str | None) -> tuple[int, Any]:
                     headers = {wire.AUTH_HEADER: f"Bearer {token}"} if token else {}
                     async with s.post(url, json=body, headers=headers) as resp:
@@ -127,8 +136,13 @@ def test_serial_reservation_retries_conflicts(monkeypatch: pytest.MonkeyPatch) -
 
     async def fake_get(namespace: str, name: str) -> dict[str, Any]:
         reads.append(name)
-        return {"metadata": {"name": name, "resourceVersion": str(len(reads)),
-                             "annotations": {ANNOTATION_NEXT_SERIAL: "10"}}}
+        return {
+            "metadata": {
+                "name": name,
+                "resourceVersion": str(len(reads)),
+                "annotations": {ANNOTATION_NEXT_SERIAL: "10"},
+            }
+        }
 
     conflicts = iter([True, True, False])
 

@@ -26,8 +26,11 @@ from megatron_operator.heartbeats import HeartbeatBook
         (make_pod("a", deleting=True), PodHealth.FAILED, FailureReason.POD_DELETED),
         (make_pod("a", phase="Failed", reason="Evicted"), PodHealth.FAILED, FailureReason.POD_EVICTED),
         (make_pod("a", phase="Failed"), PodHealth.FAILED, FailureReason.POD_FAILED),
-        (make_pod("a", terminated={"exitCode": 137, "reason": "OOMKilled"}), PodHealth.FAILED,
-         FailureReason.CONTAINER_TERMINATED),
+        (
+            make_pod("a", terminated={"exitCode": 137, "reason": "OOMKilled"}),
+            PodHealth.FAILED,
+            FailureReason.CONTAINER_TERMINATED,
+        ),
         (make_pod("a", phase="Succeeded", terminated={"exitCode": 0}), PodHealth.SUCCEEDED, None),
         (make_pod("a", restarts=1), PodHealth.FAILED, FailureReason.CONTAINER_RESTARTED),
         (make_pod("a", node="dead"), PodHealth.FAILED, FailureReason.NODE_NOT_READY),

@@ -66,8 +66,10 @@ def test_older_epoch_schedules_a_push_now() -> None:
 
 
 def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
-    for report in (_report("p0", 1, failedPeers=[{"epoch": 1, "rank": 1, "reason": "x"}]),
-                   _report("spare-9", 0, healthy=False)):
+    for report in (
+        _report("p0", 1, failedPeers=[{"epoch": 1, "rank": 1, "reason": "x"}]),
+        _report("spare-9", 0, healthy=False),
+    ):
         registry, ctl = _registry_with_job()
         ctl.acked = {"p0", "p1"}
         registry.accept_reports(JOB_UID, [report])

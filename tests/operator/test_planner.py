@@ -68,13 +68,31 @@ def test_newcomers_of_a_plan_that_never_trained_hold_nothing() -> None:
     assert first is not None and first.member("p2") is not None
     assert {first.source_of(r).kind for r in first.member("p2").ranks} == {StateSourceKind.PEER}  # type: ignore[union-attr]
     # p1, the only keeper, is lost before epoch 2 committed a step: p2 never received its state.
-    untrained = plan_mesh(spec, JOB_UID, [pods[2]], [pods[3]], ["p0", "p1"], first, resume_step=9,
-                          checkpoint_step=5, previous_trained=False).plan
+    untrained = plan_mesh(
+        spec,
+        JOB_UID,
+        [pods[2]],
+        [pods[3]],
+        ["p0", "p1"],
+        first,
+        resume_step=9,
+        checkpoint_step=5,
+        previous_trained=False,
+    ).plan
     assert untrained is not None and untrained.default_source is StateSourceKind.CHECKPOINT
     assert untrained.resume_step == 5
     # Had epoch 2 trained, p2 would hold the state and give it to the newcomer.
-    trained = plan_mesh(spec, JOB_UID, [pods[2]], [pods[3]], ["p0", "p1"], first, resume_step=9,
-                        checkpoint_step=5, previous_trained=True).plan
+    trained = plan_mesh(
+        spec,
+        JOB_UID,
+        [pods[2]],
+        [pods[3]],
+        ["p0", "p1"],
+        first,
+        resume_step=9,
+        checkpoint_step=5,
+        previous_trained=True,
+    ).plan
     assert trained is not None and trained.default_source is StateSourceKind.SELF
     assert trained.resume_step == 9
 
@@ -84,8 +102,7 @@ def test_the_store_goes_to_the_member_that_reported_most_recently() -> None:
     pods = make_pod_refs(4)
     plan = _initial(spec, pods[:3])
     # p0 is the first keeper, but only p2's and p3's agents reported lately (p1 died a moment ago).
-    new = plan_mesh(spec, JOB_UID, [pods[1], pods[2]], [pods[3]], ["p0"], plan,
-                    store_hosts=["p3", "p2"]).plan
+    new = plan_mesh(spec, JOB_UID, [pods[1], pods[2]], [pods[3]], ["p0"], plan, store_hosts=["p3", "p2"]).plan
     assert new is not None and new.rendezvous.host == pods[2].address  # a fresh keeper before a newcomer
     only_new = plan_mesh(spec, JOB_UID, [pods[1], pods[2]], [pods[3]], ["p0"], plan, store_hosts=["p3"]).plan
     assert only_new is not None and only_new.rendezvous.host == pods[3].address  # fresh beats kept-but-quiet
@@ -104,8 +121,9 @@ def test_failed_pod_is_replaced_by_spare_in_place() -> None:
     pods = make_pod_refs(5)
     plan = _initial(spec, pods[:4])
     dead = plan.members[1]
-    decision = plan_mesh(spec, JOB_UID, [p for p in pods[:4] if p.name != dead.pod], [pods[4]], [dead.pod], plan,
-                         resume_step=7)
+    decision = plan_mesh(
+        spec, JOB_UID, [p for p in pods[:4] if p.name != dead.pod], [pods[4]], [dead.pod], plan, resume_step=7
+    )
     new = decision.plan
     assert decision.outcome is Outcome.NEW_PLAN and new is not None
     assert new.reason is PlanReason.REPLACE and new.epoch == 2 and new.sizes == plan.sizes
@@ -145,8 +163,10 @@ def test_released_pod_repairs_another_replica() -> None:
     unit_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
     # Victims at different pipeline stages, so that a peer still holds each shard.
     pp_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).pp for m in plan.members}
-    victims = [next(p for p in unit_of if unit_of[p] == 0 and pp_of[p] == 0),
-               next(p for p in unit_of if unit_of[p] == 1 and pp_of[p] == 1)]
+    victims = [
+        next(p for p in unit_of if unit_of[p] == 0 and pp_of[p] == 0),
+        next(p for p in unit_of if unit_of[p] == 1 and pp_of[p] == 1),
+    ]
     alive = [p for p in pods if p.name not in victims]
     decision = plan_mesh(spec, JOB_UID, alive, [], victims, plan)
     new = decision.plan
@@ -238,8 +258,15 @@ def specs(draw: st.DrawFn) -> MegatronJobSpec:
     per_pod = max(1, gpus_per_pod // mp)
     replicas = per_pod * draw(st.integers(1, 6))
     min_replicas = per_pod * draw(st.integers(1, replicas // per_pod))
-    return make_spec(replicas=replicas, min_replicas=min_replicas, spares=draw(st.integers(0, 3)), tp=tp, pp=pp,
-                     cp=cp, gpus_per_pod=gpus_per_pod)
+    return make_spec(
+        replicas=replicas,
+        min_replicas=min_replicas,
+        spares=draw(st.integers(0, 3)),
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        gpus_per_pod=gpus_per_pod,
+    )
 
 
 events = st.lists(
@@ -303,8 +330,9 @@ def test_every_plan_is_a_valid_mesh_for_any_failures_and_arrivals(
         plan = new
 
 
-def _check_transition(spec: MegatronJobSpec, shape: UnitShape, old: MeshPlan, new: MeshPlan,
-                      healthy: dict[str, PodRef], failed: set[str]) -> None:
+def _check_transition(
+    spec: MegatronJobSpec, shape: UnitShape, old: MeshPlan, new: MeshPlan, healthy: dict[str, PodRef], failed: set[str]
+) -> None:
     # Re-validate from the wire form: what the trainer parses is valid too.
     MeshPlan.model_validate(new.to_wire())
     sizes = new.sizes
@@ -345,8 +373,7 @@ def test_the_replacement_comes_from_another_node() -> None:
     spec = make_spec(replicas=2, spares=2)
     pods = make_pod_refs(4)  # p0, p1 train; p2 and p3 are spares
     plan = _initial(spec, pods[:2])
-    place = {"p0": Placement("node-a"), "p1": Placement("node-b"), "p2": Placement("node-a"),
-             "p3": Placement("node-c")}
+    place = {"p0": Placement("node-a"), "p1": Placement("node-b"), "p2": Placement("node-a"), "p3": Placement("node-c")}
     # p0's node died: p2 beside it is the first spare, but the node that took p0 may take it next.
     decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:], ["p0"], plan, placement=place)
     assert decision.plan is not None and decision.plan.reason is PlanReason.REPLACE
@@ -359,16 +386,20 @@ def test_another_rack_before_another_node_of_the_same_rack() -> None:
     spec = make_spec(replicas=2, spares=3)
     pods = make_pod_refs(5)
     plan = _initial(spec, pods[:2])
-    place = {"p0": Placement("a1", "rack-a"), "p1": Placement("b1", "rack-b"),
-             "p2": Placement("a1", "rack-a"), "p3": Placement("a2", "rack-a"), "p4": Placement("c1", "rack-c")}
+    place = {
+        "p0": Placement("a1", "rack-a"),
+        "p1": Placement("b1", "rack-b"),
+        "p2": Placement("a1", "rack-a"),
+        "p3": Placement("a2", "rack-a"),
+        "p4": Placement("c1", "rack-c"),
+    }
     decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:], ["p0"], plan, placement=place)
     assert decision.promoted == ("p4",)
     # With rack-c's spare gone, another node of rack-a beats p0's own node.
     decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:4], ["p0"], plan, placement=place)
     assert decision.promoted == ("p3",)
     # A spare of unknown place is no suspect: it beats one in the failed pod's rack.
-    decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:4] + make_pod_refs(1, start=9), ["p0"], plan,
-                         placement=place)
+    decision = plan_mesh(spec, JOB_UID, [pods[1]], pods[2:4] + make_pod_refs(1, start=9), ["p0"], plan, placement=place)
     assert decision.promoted == ("p9",)
 
 
@@ -409,7 +440,7 @@ def test_replacements_come_from_failure_domains_that_lost_nothing(
     plan = _initial(spec, pods[: spec.worker_pods])
     lost = {plan.members[i].pod for i in lost_at}
     survivors = [p for p in pods[: spec.worker_pods] if p.name not in lost]
-    spares = pods[spec.worker_pods:]
+    spares = pods[spec.worker_pods :]
     decision = plan_mesh(spec, JOB_UID, survivors, spares, lost, plan, placement=place)
     if decision.plan is None or decision.plan.reason is not PlanReason.REPLACE:
         return  # too few spares: a shrink, whose fillers are not only spares

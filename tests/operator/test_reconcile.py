@@ -44,8 +44,10 @@ NODES = {"gpu-0": "True"}
 
 
 def _pods(*names: str, role: str = "worker", **kw: object) -> list[PodFacts]:
-    return [PodFacts.of(make_pod(n, role=role, index=int(n.split("-")[1]), ip=f"127.64.0.{i + 1}", **kw))
-            for i, n in enumerate(names)]
+    return [
+        PodFacts.of(make_pod(n, role=role, index=int(n.split("-")[1]), ip=f"127.64.0.{i + 1}", **kw))
+        for i, n in enumerate(names)
+    ]
 
 
 def _running_job() -> tuple[MegatronJobStatus, list[PodFacts]]:
@@ -58,8 +60,9 @@ def _running_job() -> tuple[MegatronJobStatus, list[PodFacts]]:
 def test_new_job_creates_workers_and_spares() -> None:
     a = assess(SPEC, JOB_UID, MegatronJobStatus(), [], NODES, AgentSignals(), {})
     assert (a.create_workers, a.create_spares, a.decision) == (2, 1, None)
-    on_the_way = assess(SPEC, JOB_UID, MegatronJobStatus(), [], NODES, AgentSignals(), {},
-                        expected=["job-0", "job-1", "job-2"])
+    on_the_way = assess(
+        SPEC, JOB_UID, MegatronJobStatus(), [], NODES, AgentSignals(), {}, expected=["job-0", "job-1", "job-2"]
+    )
     assert (on_the_way.create_workers, on_the_way.create_spares) == (0, 0)
 
 
@@ -95,8 +98,7 @@ def test_deleted_member_is_replaced_by_the_spare_and_a_new_spare_is_made() -> No
     assert a.create_spares == 1 and a.create_workers == 0
     # The next pass knows the failure already: no second report, nothing planned again.
     status2 = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=a.plan, epoch=2, recoveries=1)
-    b = assess(SPEC, JOB_UID, status2, left, NODES, AgentSignals(), {f.pod: f for f in a.failures},
-               expected=["job-3"])
+    b = assess(SPEC, JOB_UID, status2, left, NODES, AgentSignals(), {f.pod: f for f in a.failures}, expected=["job-3"])
     assert b.failures == () and b.decision is not None and b.decision.outcome is Outcome.UNCHANGED
     assert b.create_spares == 0
 
@@ -104,11 +106,18 @@ def test_deleted_member_is_replaced_by_the_spare_and_a_new_spare_is_made() -> No
 def test_a_deleted_member_is_replaced_from_another_node() -> None:
     spec = SPEC.model_copy(update={"spares": 2})
     pods = _pods("job-0", "job-1") + _pods("job-2", "job-3", role="spare")
-    status = MegatronJobStatus(phase=JobPhase.RUNNING, epoch=1,
-                               plan=assess(spec, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {}).plan)
+    status = MegatronJobStatus(
+        phase=JobPhase.RUNNING,
+        epoch=1,
+        plan=assess(spec, JOB_UID, MegatronJobStatus(), pods, NODES, AgentSignals(), {}).plan,
+    )
     left = [p for p in pods if p.name != "job-0"]  # gone from the index: only the operator's memory has its node
-    place = {"job-0": Placement("gpu-0"), "job-1": Placement("gpu-1"), "job-2": Placement("gpu-0"),
-             "job-3": Placement("gpu-2")}
+    place = {
+        "job-0": Placement("gpu-0"),
+        "job-1": Placement("gpu-1"),
+        "job-2": Placement("gpu-0"),
+        "job-3": Placement("gpu-2"),
+    }
     a = assess(spec, JOB_UID, status, left, NODES, AgentSignals(), {}, placement=place)
     assert a.decision is not None and a.decision.promoted == ("job-3",)
     assert assess(spec, JOB_UID, status, left, NODES, AgentSignals(), {}).decision.promoted == ("job-2",)  # type: ignore[union-attr]
@@ -116,13 +125,22 @@ def test_a_deleted_member_is_replaced_from_another_node() -> None:
 
 def test_agent_signals_are_failures() -> None:
     status, pods = _running_job()
-    signals = AgentSignals(silent=["job-2"], unhealthy=["job-1"], quiet=["job-0"],
-                           accusations=[Accusation(1, "job-1", None, 0, "allreduce timed out"),
-                                        Accusation(0, "job-1", "job-1", None, "old epoch, ignored")])
+    signals = AgentSignals(
+        silent=["job-2"],
+        unhealthy=["job-1"],
+        quiet=["job-0"],
+        accusations=[
+            Accusation(1, "job-1", None, 0, "allreduce timed out"),
+            Accusation(0, "job-1", "job-1", None, "old epoch, ignored"),
+        ],
+    )
     a = assess(SPEC, JOB_UID, status, pods, NODES, signals, {})
     reasons = {f.pod: f.reason for f in a.failures}
-    assert reasons == {"job-0": FailureReason.PEER_REPORTED, "job-2": FailureReason.HEARTBEAT_MISSING,
-                       "job-1": FailureReason.AGENT_REPORTED}
+    assert reasons == {
+        "job-0": FailureReason.PEER_REPORTED,
+        "job-2": FailureReason.HEARTBEAT_MISSING,
+        "job-1": FailureReason.AGENT_REPORTED,
+    }
     assert dict(a.delete) == {"job-0": False, "job-1": False, "job-2": True}
     assert a.decision is not None and a.decision.outcome is Outcome.WAIT
 
@@ -153,8 +171,12 @@ def test_an_unusable_checkpoint_ends_the_job_instead_of_another_restore() -> Non
 
 def test_success_ends_the_job_and_releases_spares() -> None:
     status, pods = _running_job()
-    done = [PodFacts.of(make_pod(p.name, role=p.role, index=p.serial, phase="Succeeded",
-                                 terminated={"exitCode": 0})) if p.role == "worker" else p for p in pods]
+    done = [
+        PodFacts.of(make_pod(p.name, role=p.role, index=p.serial, phase="Succeeded", terminated={"exitCode": 0}))
+        if p.role == "worker"
+        else p
+        for p in pods
+    ]
     a = assess(SPEC, JOB_UID, status, done, NODES, AgentSignals(), {})
     assert a.terminal is not None and a.terminal.phase is JobPhase.SUCCEEDED
     assert [name for name, _ in a.delete] == ["job-2"]
@@ -194,15 +216,21 @@ def test_lowering_replicas_resizes_and_deletes_the_surplus() -> None:
     assert len(a.retire) == 1 and a.retire[0] not in members
     # Next pass: the retired pod is being deleted; that is neither a failure nor a reason to create.
     resized = MegatronJobStatus(phase=JobPhase.RUNNING, plan=a.plan, epoch=2)
-    going = [PodFacts.of(make_pod(p.name, role=p.role, index=p.serial, ip=p.ip, deleting=True))
-             if p.name in a.retire else p for p in pods]
+    going = [
+        PodFacts.of(make_pod(p.name, role=p.role, index=p.serial, ip=p.ip, deleting=True)) if p.name in a.retire else p
+        for p in pods
+    ]
     b = assess(smaller, JOB_UID, resized, going, NODES, AgentSignals(silent=list(a.retire)), {}, retired=a.retire)
     assert b.failures == () and b.delete == () and b.retire == ()
     assert (b.create_workers, b.create_spares) == (0, 0)
     assert b.decision is not None and b.decision.outcome is Outcome.UNCHANGED
     # A restarted operator has no memory of it: the role label it set before deleting tells it.
-    labelled = [PodFacts.of(make_pod(p.name, role=wire.ROLE_RETIRED, index=p.serial, ip=p.ip, deleting=True))
-                if p.name in a.retire else p for p in pods]
+    labelled = [
+        PodFacts.of(make_pod(p.name, role=wire.ROLE_RETIRED, index=p.serial, ip=p.ip, deleting=True))
+        if p.name in a.retire
+        else p
+        for p in pods
+    ]
     c = assess(smaller, JOB_UID, resized, labelled, NODES, AgentSignals(), {})
     assert c.failures == () and c.delete == () and (c.create_workers, c.create_spares) == (0, 0)
 
@@ -230,35 +258,51 @@ def test_a_peer_report_needs_a_member_reporter_and_corroboration() -> None:
 
 
 def test_most_nodes_not_ready_at_once_fail_no_pod() -> None:
-    pods = [PodFacts.of(make_pod(f"job-{i}", role="worker" if i < 2 else "spare", index=i, ip=f"127.64.0.{i + 1}",
-                                 node=f"gpu-{i}")) for i in range(3)]
+    pods = [
+        PodFacts.of(
+            make_pod(f"job-{i}", role="worker" if i < 2 else "spare", index=i, ip=f"127.64.0.{i + 1}", node=f"gpu-{i}")
+        )
+        for i in range(3)
+    ]
     nodes = {f"gpu-{i}": "True" for i in range(3)}
     plan = assess(SPEC, JOB_UID, MegatronJobStatus(), pods, nodes, AgentSignals(), {}).plan
     assert plan is not None
     status = MegatronJobStatus(phase=JobPhase.RUNNING, plan=plan, epoch=1, committed_epoch=1)
-    partitioned = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"},
-                         AgentSignals(), {})
+    partitioned = assess(
+        SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"}, AgentSignals(), {}
+    )
     assert partitioned.failures == () and partitioned.delete == ()
     assert partitioned.partition is not None and "2 of the job's 3 nodes" in partitioned.partition
     # Heartbeats still decide: a silent pod on a NotReady node fails.
-    silent = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"},
-                    AgentSignals(silent=["job-1"]), {})
+    silent = assess(
+        SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"}, AgentSignals(silent=["job-1"]), {}
+    )
     assert [(f.pod, f.reason) for f in silent.failures] == [("job-1", FailureReason.HEARTBEAT_MISSING)]
     # One node of three is a node failure.
     one = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {})
     assert [(f.pod, f.reason) for f in one.failures] == [("job-0", FailureReason.NODE_NOT_READY)]
     assert one.partition is None
     # ... once it has been NotReady for the grace: a node that just flipped may be the first of a partition.
-    just = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {},
-                  recently_down={"gpu-0"})
+    just = assess(
+        SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {}, recently_down={"gpu-0"}
+    )
     assert just.failures == ()
     # Nodes still in their grace count for the partition rule.
-    flipping = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown", "gpu-1": "False"}, AgentSignals(),
-                      {}, recently_down={"gpu-1"})
+    flipping = assess(
+        SPEC,
+        JOB_UID,
+        status,
+        pods,
+        {**nodes, "gpu-0": "Unknown", "gpu-1": "False"},
+        AgentSignals(),
+        {},
+        recently_down={"gpu-1"},
+    )
     assert flipping.failures == () and flipping.partition is not None
     # ... unless a partition was seen a moment ago: the last node of it to come back fails nobody.
-    returning = assess(SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {},
-                       partition_hold=True)
+    returning = assess(
+        SPEC, JOB_UID, status, pods, {**nodes, "gpu-0": "Unknown"}, AgentSignals(), {}, partition_hold=True
+    )
     assert returning.failures == () and returning.partition is None
 
 
@@ -288,22 +332,36 @@ def test_plans_made_while_a_recovery_is_under_way_are_one_recovery() -> None:
     assert ended.terminal is not None and ended.terminal.reason == Reason.MAX_RECOVERIES
     # The budget was spent by this very recovery (epoch 2 has not trained): losing another pod
     # while it is under way makes another plan of the same recovery.
-    budget_spent = MegatronJobStatus(phase=JobPhase.RUNNING, plan=_running_job()[0].plan, epoch=1, committed_epoch=1,
-                                     recoveries=4)
+    budget_spent = MegatronJobStatus(
+        phase=JobPhase.RUNNING, plan=_running_job()[0].plan, epoch=1, committed_epoch=1, recoveries=4
+    )
     first = assess(SPEC, JOB_UID, budget_spent, left, NODES, AgentSignals(), {})
     assert first.plan is not None and first.plan.reason is PlanReason.REPLACE
-    under_way = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=first.plan, epoch=2, committed_epoch=1,
-                                  recoveries=5)
+    under_way = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=first.plan, epoch=2, committed_epoch=1, recoveries=5)
     assert recovery_open(under_way)
     spare = _pods("job-3", role="spare")
-    again = assess(SPEC, JOB_UID, under_way, [p for p in left if p.name != "job-2"] + spare, NODES, AgentSignals(),
-                   {"job-0": Failure("job-0", FailureReason.POD_DELETED, "")})
+    again = assess(
+        SPEC,
+        JOB_UID,
+        under_way,
+        [p for p in left if p.name != "job-2"] + spare,
+        NODES,
+        AgentSignals(),
+        {"job-0": Failure("job-0", FailureReason.POD_DELETED, "")},
+    )
     assert again.terminal is None and again.plan is not None and again.plan.epoch == 3
     # ... but not forever.
     cap = max_plans_per_recovery(SPEC)
     stuck = under_way.model_copy(update={"plan": first.plan.model_copy(update={"epoch": 1 + cap})})  # type: ignore[union-attr]
-    never = assess(SPEC, JOB_UID, stuck, [p for p in left if p.name != "job-2"] + spare, NODES, AgentSignals(),
-                   {"job-0": Failure("job-0", FailureReason.POD_DELETED, "")})
+    never = assess(
+        SPEC,
+        JOB_UID,
+        stuck,
+        [p for p in left if p.name != "job-2"] + spare,
+        NODES,
+        AgentSignals(),
+        {"job-0": Failure("job-0", FailureReason.POD_DELETED, "")},
+    )
     assert never.terminal is not None and never.terminal.reason == Reason.RECOVERY_NOT_CONVERGING
 
 
@@ -340,15 +398,20 @@ def test_an_epoch_every_member_abandoned_is_planned_again_within_its_recovery() 
     status = status.model_copy(update={"committed_epoch": 1})
     one = AgentSignals(accusations=[Accusation(1, "job-0", None, None, "wait timeout after 15000ms")])
     assert assess(SPEC, JOB_UID, status, pods, NODES, one, {}).decision.outcome is Outcome.UNCHANGED  # type: ignore[union-attr]
-    both = AgentSignals(accusations=[Accusation(1, "job-0", None, None, "wait timeout after 15000ms"),
-                                     Accusation(1, "job-1", None, None, "wait timeout after 15000ms")])
+    both = AgentSignals(
+        accusations=[
+            Accusation(1, "job-0", None, None, "wait timeout after 15000ms"),
+            Accusation(1, "job-1", None, None, "wait timeout after 15000ms"),
+        ]
+    )
     a = assess(SPEC, JOB_UID, status, pods, NODES, both, {})
     assert a.failures == () and a.plan is not None and a.plan.epoch == 2
     assert {m.pod for m in a.plan.members} == {"job-0", "job-1"} and a.plan.reason is PlanReason.REPLACE
     assert a.decision is not None and "every member abandoned epoch 1" in a.decision.message
     # A grow made while a recovery was under way keeps it open: a retry of it is the same recovery.
     grow = a.plan.model_copy(update={"reason": PlanReason.GROW, "epoch": 3})
-    within = MegatronJobStatus(phase=JobPhase.RECOVERING, plan=grow, epoch=3, committed_epoch=1, recovery_epoch=2,
-                               recoveries=1)
+    within = MegatronJobStatus(
+        phase=JobPhase.RECOVERING, plan=grow, epoch=3, committed_epoch=1, recovery_epoch=2, recoveries=1
+    )
     assert recovery_open(within)
     assert not recovery_open(within.model_copy(update={"committed_epoch": 3}))

@@ -22,8 +22,17 @@ PLAN = plan_mesh(SPEC, JOB_UID, make_pod_refs(2), [], [], None).plan
 
 
 def _obs(phase: JobPhase, reason: str = "R", **kw: object) -> Observation:
-    base: dict[str, object] = dict(phase=phase, reason=reason, message="m", plan=PLAN, replicas=2, ready_workers=2,
-                                   spares_ready=1, spares_wanted=1, recoveries=0)
+    base: dict[str, object] = dict(
+        phase=phase,
+        reason=reason,
+        message="m",
+        plan=PLAN,
+        replicas=2,
+        ready_workers=2,
+        spares_ready=1,
+        spares_wanted=1,
+        recoveries=0,
+    )
     base.update(kw)
     return Observation(**base)  # type: ignore[arg-type]
 
@@ -75,8 +84,14 @@ def test_spares_exhausted() -> None:
 
 def test_fields_and_no_op() -> None:
     status = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, recoveries=3, step=42), T0)
-    assert (status.mesh, status.epoch, status.desired_workers, status.spares_ready, status.recoveries, status.step) \
-        == ("2x1x1", 1, 2, 1, 3, 42)
+    assert (status.mesh, status.epoch, status.desired_workers, status.spares_ready, status.recoveries, status.step) == (
+        "2x1x1",
+        1,
+        2,
+        1,
+        3,
+        42,
+    )
     assert status.start_time == T0 and status.completion_time is None
     assert not status_changed(status, compute_status(status, _obs(JobPhase.RUNNING, recoveries=3, step=42), T0))
     assert status_changed(status, compute_status(status, _obs(JobPhase.RUNNING, recoveries=4, step=42), T0))

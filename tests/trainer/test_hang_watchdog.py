@@ -229,8 +229,7 @@ def test_a_worker_stopped_while_joining_or_waiting_is_hung_after_the_hang_timeou
     from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor
     from megatron_trainer.channel import Alive
 
-    sup = WorkerSupervisor(["true"], {}, hang_timeout_seconds=20.0, on_message=lambda *_: None,
-                           on_exit=lambda _: None)
+    sup = WorkerSupervisor(["true"], {}, hang_timeout_seconds=20.0, on_message=lambda *_: None, on_exit=lambda _: None)
     now = time.monotonic()
 
     def handle(rank: int, phase: WorkerPhase, silent: float, alive: bool) -> WorkerHandle:
@@ -257,11 +256,17 @@ def test_the_save_grace_applies_to_a_worker_saving_not_to_one_stopped_after_a_sa
     from megatron_trainer.agent.supervisor import WorkerHandle, WorkerSupervisor
     from megatron_trainer.channel import Alive, Progress
 
-    sup = WorkerSupervisor(["true"], {}, hang_timeout_seconds=20.0, on_message=lambda *_: None,
-                           on_exit=lambda _: None, checkpoint_interval_steps=10, checkpoint_grace_seconds=600.0)
+    sup = WorkerSupervisor(
+        ["true"],
+        {},
+        hang_timeout_seconds=20.0,
+        on_message=lambda *_: None,
+        on_exit=lambda _: None,
+        checkpoint_interval_steps=10,
+        checkpoint_grace_seconds=600.0,
+    )
     h = WorkerHandle(0, process=None, writer=None, phase=WorkerPhase.TRAINING)  # type: ignore[arg-type]
-    h.progress = Progress(epoch=1, step=20, consumed_samples=80, loss=1.0, step_time_seconds=0.1,
-                          tokens_per_second=1.0)
+    h.progress = Progress(epoch=1, step=20, consumed_samples=80, loss=1.0, step_time_seconds=0.1, tokens_per_second=1.0)
     assert sup.allowed_silence(h) == 620.0  # no Alive (an older worker): the step decides
     h.last_alive = Alive(epoch=1, phase="checkpoint")
     assert sup.allowed_silence(h) == 620.0  # saving

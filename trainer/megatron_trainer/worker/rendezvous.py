@@ -86,8 +86,9 @@ def wait_for_ranks(
             store.wait(list(keys), POLL)
             return
         except dist.DistNetworkError as err:
-            raise RendezvousFailed(f"the rendezvous store went away while waiting for {what}: {err}",
-                                   store_host="store") from err
+            raise RendezvousFailed(
+                f"the rendezvous store went away while waiting for {what}: {err}", store_host="store"
+            ) from err
         except (dist.DistError, RuntimeError) as err:
             if time.monotonic() <= deadline:
                 continue
@@ -149,8 +150,14 @@ def join_epoch(
     store.set(f"arrived/{rank}", "1")
     # A survivor may reach the join only after its failed step's collective timed out (up to the
     # limit): wait well past that before suspecting the ranks that did not come.
-    wait_for_ranks(store, "arrived", range(plan.sizes.world), 2 * limit + 10, interrupted,
-                   f"the {plan.sizes.world} ranks of epoch {plan.epoch}")
+    wait_for_ranks(
+        store,
+        "arrived",
+        range(plan.sizes.world),
+        2 * limit + 10,
+        interrupted,
+        f"the {plan.sizes.world} ranks of epoch {plan.epoch}",
+    )
     client.set_timeout(timedelta(seconds=limit))  # from here on the store serves group creation
     timeout = timedelta(seconds=limit if backend == "gloo" else max(2 * limit, limit + 60))
     dist.init_process_group(backend, store=store, rank=rank, world_size=plan.sizes.world, timeout=timeout)
