@@ -79,7 +79,13 @@ def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, o
         "mode": "async" if asynchronous else "sync",
         "step_seconds_median": statistics.median(plain) if plain else None,
         "saves": [
-            {"step": m.step, "blocking_seconds": m.blocking_seconds, "total_seconds": m.total_seconds} for m in saves
+            {
+                "step": m.step,
+                "blocking_seconds": m.blocking_seconds,
+                "total_seconds": m.total_seconds,
+                "start_phases": m.start_phases,
+            }
+            for m in saves
         ],
         "skipped": skipped,
     }
@@ -99,6 +105,9 @@ def run(args: argparse.Namespace, asynchronous: bool, root: Path) -> dict[str, o
         f" skipped {skipped}",
         flush=True,
     )
+    for m in saves:
+        phases = " ".join(f"{k} {v:.3f}s" for k, v in (m.start_phases or {}).items())
+        print(f"  save of step {m.step}: blocking {m.blocking_seconds:.3f}s ({phases}), total {m.total_seconds:.2f}s")
     return result
 
 

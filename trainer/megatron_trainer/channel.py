@@ -76,6 +76,7 @@ class CheckpointSaved(WireModel):
     step: int
     blocking_seconds: float | None = None  # training-thread time of the step that started the save
     total_seconds: float | None = None  # from the start of the save to complete
+    start_phases: dict[str, float] | None = None  # the starting step's share: plan, host_copy (copy + fork)
 
 
 class CheckpointProblem(WireModel):

@@ -117,6 +117,7 @@ class Completed:
     step: int
     blocking_seconds: float  # training-thread time of the step that started it (sync: the whole save)
     total_seconds: float  # from its start to complete
+    start_phases: dict[str, float]  # where the starting step's time went: plan, host_copy (copy + fork)
 
 
 @dataclasses.dataclass
@@ -137,6 +138,7 @@ class _InFlight:
     mesh: dict[str, Any]
     epoch: int
     blocking: float = 0.0  # training-thread time of the step that started it
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class CheckpointSaver:
@@ -237,6 +239,7 @@ class CheckpointSaver:
             outcome.failed.append((ts.step, f"checkpoint of step {ts.step} not started: {error[0]}"))
             log.error("%s", outcome.failed[-1][1])
             return False
+        planning = time.perf_counter()
         request = dist_checkpointing.save(
             _sharded_state_dict(ts),
             str(directory),
@@ -254,11 +257,15 @@ class CheckpointSaver:
                     _write_and_record, request.async_fn, str(directory), rank, os.environ.get(ENV_WRITER_GATE)
                 )
             )
+        copying = time.perf_counter()
         if self._queue is None:
             self._queue = AsyncCallsQueue(persistent=False)
         with writer_processes.forking_writer():
-            self._queue.schedule_async_request(request)
-        self._in_flight = _InFlight(ts.step, directory, time.perf_counter(), mesh, epoch)
+            self._queue.schedule_async_request(request)  # the device-to-host copy, then the writer's fork
+        now = time.perf_counter()
+        phases = {"plan": copying - planning, "host_copy": now - copying}
+        log.info("checkpoint of step %d started: planned in %.3fs, copied to host in %.3fs", ts.step, *phases.values())
+        self._in_flight = _InFlight(ts.step, directory, now, mesh, epoch, phases=phases)
         return True
 
     def _poll(self, outcome: SaveOutcome, blocking: bool) -> None:
@@ -288,7 +295,7 @@ class CheckpointSaver:
             return
         total = time.perf_counter() - flight.started
         blocking = flight.blocking if self.asynchronous else total
-        outcome.completed.append(Completed(flight.step, blocking, total))
+        outcome.completed.append(Completed(flight.step, blocking, total, flight.phases))
         log.info("checkpoint of step %d complete in %.2fs (training held %.3fs)", flight.step, total, blocking)
 
     def _publish(self, flight: _InFlight) -> str:

@@ -625,6 +625,7 @@ class Worker:
                     step=done.step,
                     blocking_seconds=done.blocking_seconds,
                     total_seconds=done.total_seconds,
+                    start_phases=done.start_phases,
                 )
             )
         if outcome.skipped is not None:
