@@ -48,7 +48,7 @@ from worker_harness import WorkerCluster, wait_for
 
 from megatron_contract.job import CheckpointSpec
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
-from megatron_trainer.channel import CheckpointSaved, Hello, Progress
+from megatron_trainer.channel import CheckpointSaved, Hello, PhaseTimes, Progress
 from megatron_trainer.faults import Fault, inject_into
 
 
@@ -182,7 +182,8 @@ def peer_arm(bench: Bench, members: list[str], arms: list[dict[str, Any]]) -> li
     plan = cluster.plan(survivors, resume_step=reached, reason=PlanReason.SHRINK)
     cluster.assign(plan, survivors)
     first = bench.time_of_step(survivors, plan.epoch, reached + 1)
-    arms.append(_arm("in place, from a DP peer (shrink)", killed_at, first, first, reached, reached, bench, survivors))
+    name = "in place, from a DP peer (shrink)"
+    arms.append(_arm(name, killed_at, first, first, reached, reached, bench, survivors, plan.epoch))
     cluster.kill_pod(victim)
     newcomer = bench.boot(bench.device_of[victim], "t")
     wait_for(lambda: cluster.pods[newcomer][0].of_type(Hello), 900, f"{newcomer} to warm up")
@@ -223,8 +224,12 @@ def checkpoint_arm(bench: Bench, members: list[str], arms: list[dict[str, Any]],
     first = bench.time_of_step(spares, plan.epoch, saved + 1)
     caught_up = bench.time_of_step(spares, plan.epoch, reached)
     name = "in place, warm spares, from the checkpoint" if warm else "cold restart, from the checkpoint"
-    arms.append(_arm(name, killed_at, first, caught_up, reached, saved, bench, spares))
+    arms.append(_arm(name, killed_at, first, caught_up, reached, saved, bench, spares, plan.epoch))
     return spares
+
+
+# The worst member's phases printed per arm (the JSON has every member's).
+_PHASES = ("rendezvous", "rebuild", "restore", "restore_verify", "restore_load", "verify", "first_step")
 
 
 def _arm(
@@ -236,6 +241,7 @@ def _arm(
     resumed: int,
     bench: Bench,
     pods: list[str],
+    epoch: int,
 ) -> dict[str, Any]:
     arm = {
         "arm": name,
@@ -245,10 +251,20 @@ def _arm(
         "step_reached_at_kill": reached,
         "resumed_after_step": resumed,
         "step_seconds": bench.step_time(pods),
+        "phases_by_pod": {
+            w.pod: wait_for(
+                lambda w=w: next((m.phases for m in w.of_type(PhaseTimes) if m.epoch == epoch), None),
+                60,
+                f"phase times of {w.name}",
+            )
+            for w in bench.cluster.workers(pods)
+        },
     }
+    worst = {k: max(p.get(k, 0.0) for p in arm["phases_by_pod"].values()) for k in _PHASES}
     print(
         f"{name}: kill -> first step {arm['kill_to_first_step_s']:.2f}s, {arm['steps_redone']} steps redone,"
-        f" back at step {reached} after {arm['kill_to_caught_up_s']:.2f}s",
+        f" back at step {reached} after {arm['kill_to_caught_up_s']:.2f}s | "
+        + " ".join(f"{k} {v:.2f}" for k, v in worst.items() if v),
         flush=True,
     )
     return arm

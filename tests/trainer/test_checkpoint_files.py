@@ -4,7 +4,8 @@ Scenarios: publishing a fully written partial checkpoint writes a manifest of ev
 renames it into place; a partial checkpoint missing a rank's part is refused and stays partial;
 republishing a step replaces the earlier checkpoint of that step; retention keeps the newest
 complete checkpoints and drops partial ones older than the newest; verification notices a
-truncated file, a flipped bit, a missing file, a missing manifest and another configuration.
+truncated file, a flipped bit (naming its chunk), a missing file, a missing manifest and another
+configuration, and still reads manifests with one sha256 per file.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_trainer.worker import checkpoint_files
 from megatron_trainer.worker.checkpoint_files import (
     MANIFEST,
     ManifestError,
@@ -112,3 +114,24 @@ def test_a_missing_manifest_or_another_configuration_is_refused(tmp_path: Path) 
     assert complete_steps(tmp_path) == []
     with pytest.raises(ManifestError, match="does not exist"):
         read_manifest(checkpoint_dir(tmp_path, 6), "abc")
+
+
+def test_checksums_cover_every_chunk_and_name_the_damaged_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are hashed in chunks (on several threads); a flip in a later chunk is found there,
+    and a manifest from before chunk checksums (one sha256 per file) still verifies."""
+    monkeypatch.setattr(checkpoint_files, "CHECKSUM_CHUNK", 100)
+    manifest = publish(written(tmp_path, 4), checkpoint_dir(tmp_path, 4), 2, HEADER)
+    target = checkpoint_dir(tmp_path, 4)
+    entry = manifest["files"]["__1_0.distcp"]
+    assert entry["chunk_bytes"] == 100 and len(entry["sha256_chunks"]) == 6  # 513 bytes
+    victim = target / "__1_0.distcp"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:350] + bytes([data[350] ^ 1]) + data[351:])
+    with pytest.raises(ManifestError, match=r"chunk 3 \(from byte 300\)"):
+        verify_files(target, manifest, ["__1_0.distcp"])
+    victim.write_bytes(data)
+    old = {"size": len(data), "sha256": checkpoint_files.sha256_of(victim)}
+    verify_files(target, {"files": {"__1_0.distcp": old}}, ["__1_0.distcp"])
+    victim.write_bytes(data[:-1] + b"?")
+    with pytest.raises(ManifestError, match="sha256"):
+        verify_files(target, {"files": {"__1_0.distcp": old}}, ["__1_0.distcp"])

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_contract.job import MegatronJobSpec
-from megatron_trainer.worker import checkpoint_files, writer_processes
+from megatron_trainer.worker import checkpoint_files, host_buffers, writer_processes
 from megatron_trainer.worker.checkpoint_files import (
     ManifestError,
     checkpoint_dir,
@@ -155,6 +155,10 @@ class CheckpointSaver:
         self._queue: Any = None  # megatron's AsyncCallsQueue, made at the first save
         self._in_flight: _InFlight | None = None
         self._last_started: int | None = None
+        # Asynchronous saves on GPUs: the first save's pinned buffers, reserved ahead (see host_buffers).
+        self._host_buffers = host_buffers.HostBufferReservation()
+        self._reserve_host_buffers = self.asynchronous and torch.cuda.is_available()
+        self._reserved_epoch: int | None = None
         writer_processes.install_results_queue()  # starts the writers' manager now, not at the first save
 
     @property
@@ -182,6 +186,12 @@ class CheckpointSaver:
                 self._in_flight.blocking = time.perf_counter() - start
                 if not self.asynchronous:
                     self._poll(outcome, blocking=True)
+        elif self._reserve_host_buffers and self._reserved_epoch != epoch:
+            # At every epoch's first step (the same step on every rank: it is collective), since
+            # the mesh decides this rank's share.
+            sizes = host_buffers.write_share_bytes(_sharded_state_dict(ts), _save_strategy())
+            self._host_buffers.start(sizes, mesh)
+        self._reserved_epoch = epoch
         outcome.blocking_seconds = time.perf_counter() - start
         return outcome
 
@@ -239,6 +249,7 @@ class CheckpointSaver:
             outcome.failed.append((ts.step, f"checkpoint of step {ts.step} not started: {error[0]}"))
             log.error("%s", outcome.failed[-1][1])
             return False
+        waited = self._host_buffers.wait()  # its buffers are the ones this save copies into
         planning = time.perf_counter()
         request = dist_checkpointing.save(
             _sharded_state_dict(ts),
@@ -264,7 +275,9 @@ class CheckpointSaver:
             self._queue.schedule_async_request(request)  # the device-to-host copy, then the writer's fork
         now = time.perf_counter()
         phases = {"plan": copying - planning, "host_copy": now - copying}
-        log.info("checkpoint of step %d started: planned in %.3fs, copied to host in %.3fs", ts.step, *phases.values())
+        if waited > 0.001:
+            phases["host_buffers_wait"] = waited
+        log.info("checkpoint of step %d started: %s", ts.step, ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
         self._in_flight = _InFlight(ts.step, directory, now, mesh, epoch, phases=phases)
         return True
 
@@ -324,11 +337,13 @@ def restore_checkpoint(
     step: int,
     on_rejected: Callable[[int, str], None],
     parallel_load: bool = True,
+    phases: dict[str, float] | None = None,
 ) -> int:
     """Load the checkpoint of ``step`` into ``ts`` (collective), or, when it fails verification,
     the next older complete one; returns the step loaded.
 
     ``on_rejected(step, reason)`` is called on every rank for each checkpoint that failed.
+    ``phases`` receives the seconds spent verifying (``restore_verify``) and loading (``restore_load``).
     Raises :class:`CheckpointUnusable` after :data:`MAX_VERIFICATION_FAILURES` failures, or when
     no candidate is left.
     """
@@ -338,10 +353,15 @@ def restore_checkpoint(
     listing: list[list[int]] = [[step] + [s for s in complete_steps(root) if s < step]]
     dist.broadcast_object_list(listing, src=0)  # one view of the directory for every rank
     failures: list[str] = []
+    phases = {} if phases is None else phases
     for candidate in listing[0]:
+        start = time.perf_counter()
         reason = _verify(checkpoint_dir(root, candidate), expected_hash)
+        phases["restore_verify"] = phases.get("restore_verify", 0.0) + time.perf_counter() - start
         if reason is None:
+            start = time.perf_counter()
             _load(ts, checkpoint_dir(root, candidate), parallel_load)
+            phases["restore_load"] = time.perf_counter() - start
             ts.step = candidate
             if failures:
                 log.warning("restored the older checkpoint of step %d instead of step %d", candidate, step)

@@ -439,6 +439,7 @@ class Worker:
                         on_rejected=lambda s, why: self.send(
                             CheckpointProblem(epoch=plan.epoch, step=s, kind="rejected", detail=why[:1000])
                         ),
+                        phases=phases,
                     )
                 except checkpoint.CheckpointUnusable as err:
                     self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="unusable", detail=str(err)[:1000]))
