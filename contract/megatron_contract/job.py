@@ -654,6 +654,9 @@ class ConditionType(enum.StrEnum):
     #: True while a child (pod, Service, token Secret) cannot be created, or the pods created keep
     #: failing at start; its reason and message say which and why.
     CREATE_FAILED = "CreateFailed"
+    #: True while the operator keeps its hands off the job because it cannot trust its status: the
+    #: status cannot be read by this version, or the agents hold a newer epoch than it records.
+    RECONCILE_PAUSED = "ReconcilePaused"
 
 
 class Condition(OpenWireModel):

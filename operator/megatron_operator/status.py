@@ -52,6 +52,12 @@ class Reason:
     FAILED_CREATE_POD = "FailedCreatePod"
     PODS_FAIL_AT_START = "PodsFailingAtStart"
     CHILDREN_CREATED = "ChildrenCreated"
+    # The ReconcilePaused condition (and its events): the operator cannot trust the job's status
+    # (skew.py); and a spec field this version does not know.
+    STATUS_UNREADABLE = "StatusUnreadable"
+    STATUS_BEHIND_AGENTS = "StatusBehindAgents"
+    RECONCILE_RESUMED = "ReconcileResumed"
+    SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"
