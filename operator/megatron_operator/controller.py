@@ -377,6 +377,13 @@ class JobController:
                 fresh_age,
             )
         self.settling = settling
+        # Reports may have come since the pass began (a restarted operator hears its first ones
+        # now): a status behind the agents is caught before anything is planned from it (skew.py).
+        hold = skew.behind_agents(self._agent_epochs(), self.status.epoch)
+        if hold is not None:
+            self.hold = hold
+            await self._announce_hold(hold)
+            return
         nodes = self.nodes()
         self._place(spec, pods, members)
         a = assess(

@@ -22,7 +22,11 @@ Scenarios:
   with the next epoch;
 - a status this version cannot read: the operator refuses it loudly (``StatusUnreadable`` event,
   ``ReconcilePaused=True``) and leaves the pods alone, even when a member fails; once the status is
-  readable again it resumes from the stored epoch and handles that failure with the next one.
+  readable again it resumes from the stored epoch and handles that failure with the next one;
+- a status behind the agents (the epoch-1 status put back while the agents train in epoch 2, as a
+  restore from a backup would): ``StatusBehindAgents``, no plan (a second, different epoch 2 would
+  be taken for the one they hold), no pod touched; once the status records epoch 2 again the
+  operator resumes without a new plan.
 """
 
 from __future__ import annotations
@@ -215,3 +219,34 @@ def test_an_unreadable_status_is_refused_and_the_pods_left_alone(h: Harness) -> 
     status = h.wait_running(2)
     assert members[0] not in h.members(status) and status["recoveries"] == 1
     assert [epoch for _, epoch in _taken(h) if epoch == 1] == [1, 1]  # epoch 1 never taken again
+
+
+def test_a_status_behind_the_agents_is_not_fought(h: Harness) -> None:
+    status = _start(h, replicas=2, spares=1, min_replicas=1)
+    old = h.api.status(JOB)
+    h.api.delete_pod(h.members(status)[0])
+    current = h.wait_running(2)
+    h.wait_status(lambda s: s.get("sparesReady") == 1, "the spare pool refilled")
+    pods, taken = _pods(h), _taken(h)
+
+    # The status is put back as it was at epoch 1 (a restore from a backup) while no operator runs.
+    def restore(status: dict[str, Any]) -> None:
+        code, body = h.cluster.request(
+            "PATCH",
+            f"{_job_path(h)}/status",
+            [{"op": "replace", "path": "/status", "value": status}],
+            content_type="application/json-patch+json",
+        )
+        assert code == 200, body
+
+    _restart_operator(h, lambda: restore(old))
+    wait_for(lambda: _events(h, "StatusBehindAgents"), T, "the refusal as an event")
+    h.wait_status(lambda s: _condition(s, "ReconcilePaused").get("reason") == "StatusBehindAgents", "paused")
+    _holds_for(
+        lambda: _pods(h) == pods and _taken(h) == taken and h.api.status(JOB)["epoch"] == 1,
+        5.0,
+        "the operator acted on a status behind its agents",
+    )
+    restore({**current, "conditions": h.api.status(JOB)["conditions"]})
+    status = h.wait_status(lambda s: _condition(s, "ReconcilePaused").get("status") == "False", "resumed")
+    assert status["epoch"] == 2 and _pods(h) == pods and _taken(h) == taken

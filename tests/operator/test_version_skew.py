@@ -184,6 +184,9 @@ async def _ahead_in_heartbeats(ctl: JobController, fake: FakeKube, book: Heartbe
     ctl.acked_epoch = 1
     ctl.accept_reports([_report("p0", 3)])
     assert "p0" not in ctl.acked and ctl.wake.is_set()
+    ctl.settling = False
+    await ctl.reconcile_once()  # a pass already under way when the report came: it stops before planning
+    assert ctl.hold is not None and not fake.named(*POD_CHANGES, "write_status")
     await _run_for(ctl, 0.3)
     assert not fake.named(*POD_CHANGES, "write_status")
     assert ctl.pusher.pushed == []  # type: ignore[attr-defined]
