@@ -7,7 +7,7 @@ from datetime import datetime
 
 from pydantic import Field
 
-from megatron_contract.base import WireModel
+from megatron_contract.base import OpenWireModel
 
 
 class AgentState(enum.StrEnum):
@@ -21,7 +21,7 @@ class AgentState(enum.StrEnum):
     FAILED = "failed"
 
 
-class WorkerState(WireModel):
+class WorkerState(OpenWireModel):
     """One worker process (one GPU) of a pod."""
 
     local_rank: int = Field(ge=0)
@@ -31,7 +31,7 @@ class WorkerState(WireModel):
     step: int | None = Field(default=None, ge=0)
 
 
-class PeerFailure(WireModel):
+class PeerFailure(OpenWireModel):
     """A survivor's word that a collective with a peer failed or hung."""
 
     epoch: int = Field(ge=0)
@@ -41,7 +41,7 @@ class PeerFailure(WireModel):
     detected_at: datetime | None = None
 
 
-class AgentReport(WireModel):
+class AgentReport(OpenWireModel):
     """A heartbeat: the agent's epoch, step and health, plus any failed peers it saw."""
 
     job_uid: str = Field(min_length=1)

@@ -1,4 +1,5 @@
-"""The base model: camelCase on the wire, snake_case in Python, unknown fields refused."""
+"""The base models: camelCase on the wire, snake_case in Python; unknown fields refused in what a
+person writes (:class:`WireModel`), kept in what one version writes for another (:class:`OpenWireModel`)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ class WireModel(BaseModel):
     def to_wire(self) -> dict[str, Any]:
         """The JSON-ready dict with camelCase keys and unset optionals left out."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class OpenWireModel(WireModel):
+    """Base of what one version of the software writes and another may read: the job's status, the
+    plans pushed to the agents, the agents' reports.
+
+    During an upgrade or a rollback the operator, the CRD and the trainer images are of different
+    versions (Helm never upgrades or rolls back a chart's CRD, and running pods keep their image).
+    A field this version does not know is therefore kept (in ``model_extra``) and written back as
+    read, not refused: Kubernetes asks the same of every client that reads, changes and writes an
+    object. A newer version may only add fields that an older reader can safely ignore.
+    """
+
+    model_config = ConfigDict(extra="allow")

@@ -8,8 +8,10 @@ Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0
 ``x-kubernetes-int-or-string`` (keeping the string's pattern and the integer's minimum), numeric
 exclusive bounds take their v3.0 form, and ``additionalProperties: false`` is dropped (the API
 server prunes and, with kubectl's strict field validation, rejects unknown fields instead), while
-``additionalProperties: true`` (an open part of a pod template) becomes
-``x-kubernetes-preserve-unknown-fields``.
+``additionalProperties: true`` (an open part of a pod template; the status, which keeps fields
+written by another version of the operator: see ``base.OpenWireModel``) becomes
+``x-kubernetes-preserve-unknown-fields``. The spec stays closed: a field a person mistyped is
+pruned or refused there, never kept.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel, to_snake
 
-from megatron_contract.base import WireModel
+from megatron_contract.base import OpenWireModel, WireModel
 from megatron_contract.mesh import MeshPlan
 from megatron_contract.pod_template import GPU_RESOURCE, QUANTITY_PATTERN, TEMPLATE_RULES, PodTemplate, Quantity
 from megatron_contract.presets import PRESETS, ModelPreset
@@ -654,9 +654,12 @@ class ConditionType(enum.StrEnum):
     #: True while a child (pod, Service, token Secret) cannot be created, or the pods created keep
     #: failing at start; its reason and message say which and why.
     CREATE_FAILED = "CreateFailed"
+    #: True while the operator keeps its hands off the job because it cannot trust its status: the
+    #: status cannot be read by this version, or the agents hold a newer epoch than it records.
+    RECONCILE_PAUSED = "ReconcilePaused"
 
 
-class Condition(WireModel):
+class Condition(OpenWireModel):
     """A condition in the shape of metav1.Condition."""
 
     type: str = Field(min_length=1, max_length=316)
@@ -667,7 +670,7 @@ class Condition(WireModel):
     observed_generation: int | None = Field(default=None, ge=0)
 
 
-class FailureRecord(WireModel):
+class FailureRecord(OpenWireModel):
     """The most recent failure the operator acted on."""
 
     pod: str
@@ -676,7 +679,7 @@ class FailureRecord(WireModel):
     time: datetime
 
 
-class LostTime(WireModel):
+class LostTime(OpenWireModel):
     """Seconds of a job's wall time lost, by cause (see Goodput)."""
 
     detection: float = Field(
@@ -703,7 +706,7 @@ class LostTime(WireModel):
     )
 
 
-class Goodput(WireModel):
+class Goodput(OpenWireModel):
     """Where the job's wall time went: the steps kept, and the rest by cause."""
 
     ratio: float = Field(
@@ -714,8 +717,9 @@ class Goodput(WireModel):
     lost_seconds: LostTime = Field(default_factory=LostTime)
 
 
-class MegatronJobStatus(WireModel):
-    """What the operator observed and decided; written whole, once per change."""
+class MegatronJobStatus(OpenWireModel):
+    """What the operator observed and decided; written whole, once per change. Fields another
+    version of the operator wrote are kept."""
 
     phase: JobPhase = Field(default=JobPhase.PENDING, description="Coarse state of the job.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Recovering, Degraded, ...")

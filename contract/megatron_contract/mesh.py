@@ -17,7 +17,7 @@ from datetime import datetime
 
 from pydantic import Field, model_validator
 
-from megatron_contract.base import WireModel
+from megatron_contract.base import OpenWireModel, WireModel
 from megatron_contract.wire import AGENT_PORT
 
 
@@ -44,7 +44,7 @@ class StateSourceKind(enum.StrEnum):
     CHECKPOINT = "checkpoint"  # the newest complete distributed checkpoint
 
 
-class MeshSizes(WireModel):
+class MeshSizes(OpenWireModel):
     """The parallel degrees of one epoch."""
 
     world: int = Field(ge=1, description="Number of ranks: tp*pp*cp*dp.")
@@ -94,7 +94,7 @@ class MeshCoords(WireModel):
         return (self.tp, self.cp, self.pp)
 
 
-class BatchGeometry(WireModel):
+class BatchGeometry(OpenWireModel):
     """How the fixed global batch is split over data-parallel replicas in this epoch.
 
     Replica ``d`` takes ``microBatchesPerReplica[d]`` micro-batches of each step; its samples are
@@ -139,7 +139,7 @@ class BatchGeometry(WireModel):
         return range(start, start + self.micro_batches_per_replica[dp_rank] * self.micro_batch_size)
 
 
-class Rendezvous(WireModel):
+class Rendezvous(OpenWireModel):
     """Where the ranks of an epoch meet: a TCPStore and a key prefix unique to the epoch."""
 
     host: str = Field(min_length=1, description="Host of the TCPStore.")
@@ -152,7 +152,7 @@ class Rendezvous(WireModel):
         return f"{job_uid}/epoch-{epoch}"
 
 
-class PlanMember(WireModel):
+class PlanMember(OpenWireModel):
     """A pod that trains in this epoch, and the global rank of each of its GPUs."""
 
     pod: str = Field(min_length=1, description="Pod name.")
@@ -162,7 +162,7 @@ class PlanMember(WireModel):
     ranks: list[int] = Field(min_length=1, description="Global rank of each local GPU, by local index.")
 
 
-class StateSource(WireModel):
+class StateSource(OpenWireModel):
     """Where one rank's state comes from when it enters the epoch."""
 
     rank: int = Field(ge=0)
@@ -171,7 +171,7 @@ class StateSource(WireModel):
     checkpoint_step: int | None = Field(default=None, ge=0, description="For kind=checkpoint: its step.")
 
 
-class MeshPlan(WireModel):
+class MeshPlan(OpenWireModel):
     """Who trains as what in one epoch of a job."""
 
     job_uid: str = Field(min_length=1, description="UID of the MegatronJob.")

@@ -28,16 +28,17 @@ from pydantic import ValidationError
 
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
+from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import builders, kube, metrics
+from megatron_operator import builders, kube, metrics, skew
 from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.goodput import GoodputLedger
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome, Placement
-from megatron_operator.push import PlanPusher, PushOutcome
+from megatron_operator.push import PlanPusher, PushOutcome, PushResult
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import (
@@ -133,7 +134,11 @@ class JobController:
         self.detected_at: float | None = None
         self.started = time.monotonic()
         self.settling = True  # until every running pod reported (or a few heartbeat intervals passed)
-        self.status = self._read_status(body)
+        # A status this version cannot trust is never written and never planned from (skew.py).
+        self.status, self.hold = skew.read_status(body.get("status"))
+        self._announced: skew.Hold | None = None
+        self.ahead: dict[str, int] = {}  # members whose agent refused a push: it holds a newer epoch
+        self._ignored_fields: list[str] = []  # spec fields this version does not know, last announced
         self.done = False
         self._labels = metrics.job_labels(job.namespace, job.name)
         self.goodput = GoodputLedger.resume(_created(body), self.status.goodput)
@@ -153,14 +158,20 @@ class JobController:
 
     # -- wiring ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _read_status(body: Any) -> MegatronJobStatus:
-        raw = dict(body.get("status") or {})
-        try:
-            return MegatronJobStatus.model_validate(raw)
-        except ValidationError as exc:
-            log.warning("ignoring an unreadable status: %s", exc)
-            return MegatronJobStatus()
+    def _spec(self, announce: bool = False) -> MegatronJobSpec:
+        """The spec without the fields this version does not know (a newer client wrote them and a
+        newer CRD kept them): a running job must not fail for them. ``announce``: say which, once."""
+        spec, ignored = validate_ignoring_unknown(MegatronJobSpec, self.body["spec"])
+        if announce and ignored and ignored != self._ignored_fields:
+            text = (
+                f"this operator version does not know {', '.join(ignored)} (written for a newer version): "
+                "ignored, the job runs as if unset"
+            )
+            log.warning("%s/%s: %s", self.job.namespace, self.job.name, text)
+            self._post([("Warning", Reason.SPEC_FIELDS_IGNORED, text)])
+        if announce:
+            self._ignored_fields = ignored
+        return spec
 
     @property
     def plan(self) -> MeshPlan | None:
@@ -177,7 +188,9 @@ class JobController:
                 self.wake.set()
             if plan is None or report.pod not in members:
                 continue
-            if report.epoch >= plan.epoch:
+            if report.epoch > plan.epoch:
+                self.wake.set()  # the status is behind this agent: the next pass holds (skew.py)
+            elif report.epoch == plan.epoch:
                 if report.pod not in self.acked and self.acked_epoch == plan.epoch:
                     self.acked.add(report.pod)
                     self.wake.set()
@@ -194,7 +207,7 @@ class JobController:
 
     async def run(self, stopped: Any) -> None:
         """Reconcile until the job is deleted (``stopped``) or finished."""
-        await self._setup()
+        set_up = False
         failures_in_a_row = 0
         while not stopped:
             self.wake.clear()
@@ -202,6 +215,12 @@ class JobController:
                 await self._sleep(self.settings.resync_seconds)
                 continue
             try:
+                if await self._held():  # a status it cannot trust: hands off the job (skew.py)
+                    await self._sleep(self.settings.resync_seconds)
+                    continue
+                if not set_up:
+                    await self._setup()
+                    set_up = True
                 await self.reconcile_once()
                 failures_in_a_row = 0
             except asyncio.CancelledError:
@@ -215,7 +234,7 @@ class JobController:
 
     def _idle(self) -> float:
         try:
-            spec = MegatronJobSpec.model_validate(self.body["spec"])
+            spec = self._spec()
             heartbeat = spec.failure_detection.heartbeat_timeout_seconds / 4
         except (ValidationError, KeyError):
             heartbeat = self.settings.resync_seconds
@@ -242,6 +261,75 @@ class JobController:
         await self._ensure_children([], pods_wanted=False)
         await self._report_children()
 
+    # -- a status the operator cannot trust (skew.py) ----------------------------------------------
+
+    async def _held(self) -> bool:
+        """Whether this pass must leave the job alone: its status cannot be read, or it is behind
+        the agents. A hold ends once the status as stored now (another version, or a person, may
+        have rewritten it) can be read and records the agents' epoch."""
+        if self.hold is None:
+            self.hold = skew.behind_agents(self._agent_epochs(), self.status.epoch)
+            if self.hold is None:
+                return False
+        else:
+            status, hold = skew.read_status(self.body.get("status"))
+            hold = hold or skew.behind_agents(self._agent_epochs(), status.epoch)
+            if hold is None:
+                await self._resume(status)
+                return False
+            self.hold = hold
+        await self._announce_hold(self.hold)
+        return True
+
+    def _agent_epochs(self) -> dict[str, int]:
+        """The epoch held by the agent of each pod still there: from its reports within the
+        heartbeat timeout, and from a push it refused."""
+        live = {p.name for p in self.pods_of() if not p.deleting}
+        try:
+            max_age = self._spec().failure_detection.heartbeat_timeout_seconds
+        except (ValidationError, KeyError):
+            max_age = self.settings.resync_seconds
+        fresh = set(self.book.fresh(self.job.uid, live, max_age, time.monotonic()))
+        epochs = {pod: epoch for pod, epoch in self.book.epochs(self.job.uid).items() if pod in fresh}
+        epochs.update({pod: epoch for pod, epoch in self.ahead.items() if pod in live})
+        return epochs
+
+    async def _announce_hold(self, hold: skew.Hold) -> None:
+        """An error in the log and a Warning event once per reason and message; the condition
+        ``ReconcilePaused=True`` written (into the conditions as stored) until it says so."""
+        if hold != self._announced:
+            log.error("%s/%s: not acting on the job: %s", self.job.namespace, self.job.name, hold.message)
+            self._post([("Warning", hold.reason, hold.message)])
+            self._announced = hold
+        generation = self.body.get("metadata", {}).get("generation")
+        conditions = skew.paused_conditions(self.body.get("status"), hold, _now(), generation)
+        if conditions is not None:
+            await kube.write_conditions(self.job.namespace, self.job.name, conditions)
+
+    async def _resume(self, status: MegatronJobStatus) -> None:
+        """Act on the job again, from its status as stored now."""
+        message = f"the job's status can be read and records the agents' epoch ({status.epoch})"
+        log.warning("%s/%s: acting on the job again: %s", self.job.namespace, self.job.name, message)
+        paused = condition(status, ConditionType.RECONCILE_PAUSED)
+        if paused is not None and paused.status == "True":
+            generation = self.body.get("metadata", {}).get("generation")
+            conditions = set_condition(
+                status.conditions,
+                ConditionType.RECONCILE_PAUSED,
+                False,
+                Reason.RECONCILE_RESUMED,
+                message,
+                _now(),
+                generation,
+            )
+            status = status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
+            await kube.write_status(self.job.namespace, self.job.name, status_body(status))
+            self._post([("Normal", Reason.RECONCILE_RESUMED, message)])
+        self.status = status
+        self.hold = self._announced = None
+        self.ahead.clear()
+        self.goodput = GoodputLedger.resume(_created(self.body), status.goodput)
+
     def _crash_point(self, name: str) -> None:
         if self.settings.crash_at == name:
             log.warning("fault injection: killing the operator at %s", name)
@@ -251,7 +339,7 @@ class JobController:
     async def reconcile_once(self) -> None:
         """One pass: observe, decide, act, write status, post events."""
         try:
-            spec = MegatronJobSpec.model_validate(self.body["spec"])
+            spec = self._spec(announce=True)
         except ValidationError as exc:
             await self._fail_invalid(exc)
             return
@@ -289,6 +377,13 @@ class JobController:
                 fresh_age,
             )
         self.settling = settling
+        # Reports may have come since the pass began (a restarted operator hears its first ones
+        # now): a status behind the agents is caught before anything is planned from it (skew.py).
+        hold = skew.behind_agents(self._agent_epochs(), self.status.epoch)
+        if hold is not None:
+            self.hold = hold
+            await self._announce_hold(hold)
+            return
         nodes = self.nodes()
         self._place(spec, pods, members)
         a = assess(
@@ -398,6 +493,9 @@ class JobController:
             events.extend(await self._push(plan))
             if fresh:
                 self._crash_point("plan-pushed")
+            if self.ahead:  # the status is behind the agents: touch no pod (the next pass holds)
+                self._post(events)
+                return
 
         # (3) failed pods go; new pods come (names reserved first); labels follow the plan.
         await self._delete(a.delete)
@@ -536,12 +634,16 @@ class JobController:
     def _ack_from_heartbeats(self, plan: MeshPlan) -> None:
         epochs = self.book.epochs(self.job.uid)
         for m in plan.members:
-            if epochs.get(m.pod, 0) >= plan.epoch:
+            if epochs.get(m.pod, 0) == plan.epoch:
                 self.acked.add(m.pod)
 
     async def _push(self, plan: MeshPlan) -> list[tuple[str, str, str]]:
         mono = time.monotonic()
-        due = {m.pod for m in plan.members if m.pod not in self.acked and self.push_due.get(m.pod, 0.0) <= mono}
+        due = {
+            m.pod
+            for m in plan.members
+            if m.pod not in self.acked and m.pod not in self.ahead and self.push_due.get(m.pod, 0.0) <= mono
+        }
         if not due or self.token is None:
             return []
         start = time.monotonic()
@@ -561,6 +663,11 @@ class JobController:
                 self.acked.add(o.pod)
                 self.push_due.pop(o.pod, None)
                 self.push_backoff.pop(o.pod, None)
+            elif o.result is PushResult.AHEAD and o.held_epoch is not None:
+                # Never pushed again: pushing, or planning past it, would fight the job (skew.py).
+                self.ahead[o.pod] = o.held_epoch
+                self.push_due.pop(o.pod, None)
+                failed.append(o)
             else:
                 backoff = min(PUSH_BACKOFF_MAX, self.push_backoff.get(o.pod, 0.25) * 2)
                 self.push_backoff[o.pod] = backoff
@@ -760,7 +867,7 @@ class JobController:
         await kube.apply_service(builders.build_service(self.job))
 
     async def _apply_disruption_budget(self) -> None:
-        spec = MegatronJobSpec.model_validate(self.body["spec"])
+        spec = self._spec()
         await kube.apply_disruption_budget(builders.build_disruption_budget(self.job, spec))
 
     async def _report_children(self) -> None:

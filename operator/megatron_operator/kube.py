@@ -166,6 +166,21 @@ async def write_status(namespace: str, name: str, status: dict[str, Any]) -> Non
     )
 
 
+async def write_conditions(namespace: str, name: str, conditions: list[dict[str, Any]]) -> None:
+    """Replace only ``status.conditions`` (a merge patch): the rest of a status this version cannot
+    read stays exactly as the version that wrote it left it."""
+    await _call(
+        _custom().patch_namespaced_custom_object_status,
+        wire.GROUP,
+        wire.VERSION,
+        namespace,
+        wire.PLURAL,
+        name,
+        {"status": {"conditions": conditions}},
+        _content_type="application/merge-patch+json",
+    )
+
+
 async def reserve_serials(namespace: str, name: str, count: int, floor: int) -> int:
     """Reserve ``count`` pod serial numbers on the job; returns the first.
 

@@ -1,7 +1,11 @@
 """Pushing plans to the trainer agents: in parallel, authenticated with the job's token.
 
-An agent answers 2xx when it takes the plan, 409 when it already holds this epoch or a newer one
-(so for the operator the plan has arrived), and 401/403 for a bad token.
+An agent answers 2xx when it takes the plan, 401/403 for a bad token, and 409 when it refuses a
+plan that is not newer than the one it holds, or when it has finished training; the body of a 409
+carries the epoch the agent holds. Only a 409 from an agent holding this very epoch means the plan
+has arrived (a second push after an operator restart). An agent holding a newer epoch did not take
+the plan and never will: the operator's status is behind the job, and the controller stops acting
+on it instead of pushing again (skew.py).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import json
 import logging
 import time
 
@@ -24,7 +29,9 @@ class PushResult(enum.StrEnum):
     """How one push ended."""
 
     ACCEPTED = "accepted"
-    ALREADY_HELD = "already-held"  # 409: the agent holds this epoch or a newer one
+    ALREADY_HELD = "already-held"  # 409: the agent holds this epoch
+    AHEAD = "ahead"  # 409: the agent holds a newer epoch
+    REFUSED = "refused"  # 409 for another reason: a pod that finished, an answer without the agent's epoch
     UNAUTHORIZED = "unauthorized"
     ERROR = "error"
 
@@ -42,6 +49,7 @@ class PushOutcome:
     result: PushResult
     detail: str
     seconds: float
+    held_epoch: int | None = None  # the epoch the agent said it holds (a 409's body)
 
 
 def agent_plan_url(member: PlanMember) -> str:
@@ -77,24 +85,45 @@ class PlanPusher:
         body = plan.model_dump_json(by_alias=True, exclude_none=True).encode()
         headers = {wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}", "Content-Type": "application/json"}
         targets = [m for m in plan.members if pods is None or m.pod in pods]
-        return list(await asyncio.gather(*(self._push_one(session, m, body, headers) for m in targets)))
+        return list(await asyncio.gather(*(self._push_one(session, m, body, headers, plan.epoch) for m in targets)))
 
     async def _push_one(
-        self, session: aiohttp.ClientSession, member: PlanMember, body: bytes, headers: dict[str, str]
+        self, session: aiohttp.ClientSession, member: PlanMember, body: bytes, headers: dict[str, str], epoch: int
     ) -> PushOutcome:
         start = time.monotonic()
+        held: int | None = None
         try:
             async with session.post(agent_plan_url(member), data=body, headers=headers) as resp:
-                text = (await resp.text())[:200]
+                text = await resp.text()
                 if 200 <= resp.status < 300:
                     result = PushResult.ACCEPTED
                 elif resp.status == 409:
-                    result = PushResult.ALREADY_HELD
+                    held = held_epoch(text)
+                    result = refusal(epoch, held)
                 elif resp.status in (401, 403):
                     result = PushResult.UNAUTHORIZED
                 else:
                     result = PushResult.ERROR
-                detail = f"HTTP {resp.status} {text}".strip()
+                detail = f"HTTP {resp.status} {text[:200]}".strip()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             result, detail = PushResult.ERROR, f"{type(exc).__name__}: {exc}"
-        return PushOutcome(member.pod, result, detail, time.monotonic() - start)
+        return PushOutcome(member.pod, result, detail, time.monotonic() - start, held)
+
+
+def held_epoch(text: str) -> int | None:
+    """The epoch an agent's answer says it holds, or None when it says none."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    epoch = value.get("epoch") if isinstance(value, dict) else None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+def refusal(plan_epoch: int, held: int | None) -> PushResult:
+    """What a 409 means: delivered only when the agent holds this very epoch."""
+    if held == plan_epoch:
+        return PushResult.ALREADY_HELD
+    if held is not None and held > plan_epoch:
+        return PushResult.AHEAD
+    return PushResult.REFUSED

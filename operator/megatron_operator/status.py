@@ -1,6 +1,7 @@
 """Status computation: the whole status from an observation, conditions in the metav1 shape.
 
-Status is computed whole, compared with the old one and written once when it differs. Ready,
+Status is computed whole, compared with the old one and written once when it differs; fields
+another version of the operator wrote are carried over unchanged. Ready,
 Recovering, Failed and Succeeded are mutually exclusive: setting one True sets the others False
 in the same write (as jobset's ``exclusiveConditions``). Degraded and SparesExhausted stand alone.
 A condition keeps its ``lastTransitionTime`` until its status flips.
@@ -51,6 +52,12 @@ class Reason:
     FAILED_CREATE_POD = "FailedCreatePod"
     PODS_FAIL_AT_START = "PodsFailingAtStart"
     CHILDREN_CREATED = "ChildrenCreated"
+    # The ReconcilePaused condition (and its events): the operator cannot trust the job's status
+    # (skew.py); and a spec field this version does not know.
+    STATUS_UNREADABLE = "StatusUnreadable"
+    STATUS_BEHIND_AGENTS = "StatusBehindAgents"
+    RECONCILE_RESUMED = "ReconcileResumed"
+    SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"
@@ -192,6 +199,9 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
     desired = len(obs.plan.members) if obs.plan is not None else 0
     terminal = obs.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED)
     return MegatronJobStatus(
+        # Fields written by another version of the operator are written back as read (an upgrade
+        # or a rollback must not erase what the other version keeps there).
+        **(old.model_extra or {}),
         phase=obs.phase,
         conditions=sorted(conditions, key=lambda c: c.type),
         observed_generation=obs.generation,

@@ -2,7 +2,9 @@
 and the conflict retry of the pod-serial reservation (API call faked: a fast unit test of one function).
 
 Scenarios: a plan goes to every member at once with the bearer token, serialized as the contract's
-wire form; 2xx and 409 count as delivered, 401/403, 5xx and a closed port do not; the report
+wire form; 2xx and a 409 from an agent holding this epoch count as delivered; a 409 from an agent
+holding a newer epoch (the operator's status is behind it), or one for another reason (a finished
+pod, no epoch in the answer), 401/403, 5xx and a closed port do not; the report
 endpoint refuses a missing token (401), a wrong one (403), an unknown job (404) and a bad body
 (400), accepts one report or a batch and answers with the epoch in force; a serial reservation
 that conflicts is retried with a fresh read, never goes below the floor, and gives up with a
@@ -36,10 +38,12 @@ def _plan(refs: list[PodRef]) -> MeshPlan:
     return plan
 
 
-async def _agent(ip: str, port: int, status: int, seen: list[tuple[str, dict[str, Any]]]) -> web.AppRunner:
+async def _agent(
+    ip: str, port: int, status: int, seen: list[tuple[str, dict[str, Any]]], answer: dict[str, Any] | None = None
+) -> web.AppRunner:
     async def handle(request: web.Request) -> web.Response:
         seen.append((request.headers.get(wire.AUTH_HEADER, ""), await request.json()))
-        return web.json_response({}, status=status)
+        return web.json_response(answer or {}, status=status)
 
     app = web.Application()
     app.router.add_post(wire.AGENT_PLAN_PATH, handle)
@@ -51,18 +55,28 @@ async def _agent(ip: str, port: int, status: int, seen: list[tuple[str, dict[str
 
 def test_push_reaches_every_member_and_classifies_answers() -> None:
     async def run() -> None:
-        answers = {"127.0.0.11": 200, "127.0.0.12": 409, "127.0.0.13": 403, "127.0.0.14": 500}
+        answers: dict[str, tuple[int, dict[str, Any]]] = {
+            "127.0.0.11": (200, {}),
+            "127.0.0.12": (409, {"error": "not newer", "epoch": 1}),  # holds this epoch
+            "127.0.0.13": (403, {}),
+            "127.0.0.14": (500, {}),
+            "127.0.0.16": (409, {"error": "not newer", "epoch": 4}),  # holds a newer epoch
+            "127.0.0.17": (409, {"error": "this pod has finished training", "epoch": 0}),
+            "127.0.0.18": (409, {}),
+        }
         refs = [PodRef(f"p{i}", f"u{i}", ip) for i, ip in enumerate([*answers, "127.0.0.15"])]
         plan = _plan(refs)
+        assert plan.epoch == 1
         with socket.socket() as probe:  # a port free on these loopback addresses
             probe.bind(("127.0.0.11", 0))
             port = probe.getsockname()[1]
         plan = plan.model_copy(update={"members": [m.model_copy(update={"agent_port": port}) for m in plan.members]})
         seen: list[tuple[str, dict[str, Any]]] = []
-        runners = [await _agent(ip, port, code, seen) for ip, code in answers.items()]
+        runners = [await _agent(ip, port, code, seen, answer) for ip, (code, answer) in answers.items()]
         pusher = PlanPusher(timeout=2)
         try:
-            outcomes = {o.pod: o.result for o in await pusher.push(plan, "tok")}
+            pushed = await pusher.push(plan, "tok")
+            outcomes = {o.pod: o.result for o in pushed}
         finally:
             await pusher.close()
             for r in runners:
@@ -72,14 +86,14 @@ def test_push_reaches_every_member_and_classifies_answers() -> None:
             "p1": PushResult.ALREADY_HELD,
             "p2": PushResult.UNAUTHORIZED,
             "p3": PushResult.ERROR,
-            "p4": PushResult.ERROR,
+            "p4": PushResult.AHEAD,
+            "p5": PushResult.REFUSED,
+            "p6": PushResult.REFUSED,
+            "p7": PushResult.ERROR,
         }
-        assert [o.delivered for o in (PushResult.ACCEPTED, PushResult.ALREADY_HELD, PushResult.ERROR)] == [
-            True,
-            True,
-            False,
-        ]
-        assert len(seen) == 4 and all(auth == "Bearer tok" for auth, _ in seen)
+        assert {o.pod: o.held_epoch for o in pushed if o.held_epoch is not None} == {"p1": 1, "p4": 4, "p5": 0}
+        assert {r for r in PushResult if r.delivered} == {PushResult.ACCEPTED, PushResult.ALREADY_HELD}
+        assert len(seen) == 7 and all(auth == "Bearer tok" for auth, _ in seen)
         assert MeshPlan.model_validate(seen[0][1]) == plan
 
     asyncio.run(run())

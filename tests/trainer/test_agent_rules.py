@@ -4,7 +4,7 @@ Scenarios:
 - plan acceptance: a missing, malformed or wrong bearer token is 401; a declared or actual body
   over ``wire.MAX_BODY_BYTES`` is 413; garbage, an invalid mesh, another job's plan or another
   gpusPerPod is 400 with a message naming the problem; an epoch not newer than the held one is
-  409; a good plan parses;
+  409; a good plan parses, and so does one with fields a newer operator added (kept, not refused);
 - worker lifecycle: allowed transitions pass, forbidden ones raise; the pod state derived from
   workers' phases (failure dominates, slowest worker wins, mixed is reconfiguring);
 - hang deadline: a worker that just reported a checkpoint step gets the save's grace; a worker
@@ -12,7 +12,7 @@ Scenarios:
   twice that limit (at least 2 s); in a data read, a save, or with no limit, the hang timeout decides;
 - phase times: instants (``*_at``, ``*_unix``) and invalid values stay out of the durations;
 - settings: read from an environment mapping with defaults from the spec; each missing or
-  malformed variable is named in the error.
+  malformed variable is named in the error; spec fields a newer operator sends are ignored.
 """
 
 from __future__ import annotations
@@ -95,17 +95,26 @@ def test_oversized_body_is_413_declared_or_actual() -> None:
         (b"{not json", "not a valid MeshPlan"),
         (b"[]", "not a valid MeshPlan"),
         (plan_bytes(epoch=0), "epoch"),
-        (plan_bytes(surprise=1), "surprise"),
+        (plan_bytes(surprise=1, epoch=0), "epoch"),
         (plan_bytes(sizes={"world": 3, "tp": 1, "pp": 1, "cp": 1, "dp": 2}), "world 3"),
         (plan_bytes(jobUid="someone-else"), "plan is for job someone-else"),
         (plan_bytes(gpusPerPod=2), "not a valid MeshPlan"),
     ],
-    ids=["empty", "garbage", "array", "epoch0", "unknown-field", "bad-world", "other-job", "bad-gpus"],
+    ids=["empty", "garbage", "array", "epoch0", "epoch0-unknown-field", "bad-world", "other-job", "bad-gpus"],
 )
 def test_malformed_plan_is_400(body: bytes, expect: str) -> None:
     refusal = rejected(parse_plan, body, job_uid=JOB_UID, gpus_per_pod=1)
     assert refusal.status == 400
     assert expect in refusal.reason
+
+
+def test_a_plan_from_a_newer_operator_is_taken_with_its_unknown_fields() -> None:
+    doc = json.loads(plan_bytes())
+    doc["surprise"] = {"mode": "new"}
+    doc["members"][0]["weight"] = 2
+    plan = parse_plan(json.dumps(doc).encode(), job_uid=JOB_UID, gpus_per_pod=1)
+    assert plan.model_extra == {"surprise": {"mode": "new"}} and plan.members[0].model_extra == {"weight": 2}
+    assert plan.to_wire()["members"][0]["weight"] == 2  # forwarded to the workers as received
 
 
 def test_plan_for_another_pod_size_is_400() -> None:
@@ -221,6 +230,15 @@ def test_settings_defaults_come_from_the_spec() -> None:
     assert TOKEN not in repr(settings)
     with_operator = AgentSettings.from_env(make_env(**{wire.ENV_OPERATOR_URL: "http://op:29500/"}))
     assert with_operator.report_url == "http://op:29500" + wire.OPERATOR_REPORT_PATH
+
+
+def test_spec_fields_of_a_newer_operator_are_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    spec = json.loads(make_env()[wire.ENV_JOB_SPEC])
+    spec["futureKnob"] = 3
+    spec["training"]["futureSchedule"] = "x"
+    settings = AgentSettings.from_env(make_env(**{wire.ENV_JOB_SPEC: json.dumps(spec)}))
+    assert settings.gpus_per_pod == 2
+    assert "spec.futureKnob, spec.training.futureSchedule" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,12 @@
 Scenarios: the lifecycle allows exactly its transitions; the fault plan chains, round-trips through
 the environment, rejects malformed values and fires only at its (epoch, rank, step) and injection
 point; mock samples are deterministic and the batch geometry hands every sample of a step to exactly
-one replica whatever the data-parallel size; settings name the missing variable; the restore's
-buckets keep every tensor once, by dtype, within the limit; the restore's routes send each newcomer
-its named peer's state, bring survivors of a DP group that disagree by a step to the newest one
-(from the lowest-ranked survivor holding it, also for a newcomer whose named peer is behind), and
-leave every member of the group at the newest step whatever the survivors hold.
+one replica whatever the data-parallel size; settings name the missing variable and ignore spec
+fields a newer operator sends; the restore's buckets keep every tensor once, by dtype, within the
+limit; the restore's routes send each newcomer its named peer's state, bring survivors of a DP
+group that disagree by a step to the newest one (from the lowest-ranked survivor holding it, also
+for a newcomer whose named peer is behind), and leave every member of the group at the newest step
+whatever the survivors hold.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def test_settings_name_what_is_missing() -> None:
         WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"replicas": -1}', wire.ENV_POD_NAME: "p"})
     with pytest.raises(ValueError, match=wire.ENV_POD_NAME):
         WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"image": "x", "replicas": 1}'})
+
+
+def test_settings_ignore_spec_fields_of_a_newer_operator() -> None:
+    env = {wire.ENV_JOB_SPEC: '{"image": "x", "replicas": 3, "futureKnob": 2}', wire.ENV_POD_NAME: "p"}
+    assert WorkerSettings.from_env(env).spec.replicas == 3
 
 
 def test_survivors_step_wins_over_the_plans_estimate() -> None:

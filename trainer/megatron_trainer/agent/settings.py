@@ -8,13 +8,17 @@ command, the restart budget); each has a safe default.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from megatron_contract import wire
+from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import MegatronJobSpec
+
+log = logging.getLogger(__name__)
 
 # Agent-local knobs (not set by the operator).
 ENV_AGENT_PORT = "MEGATRON_AGENT_PORT"
@@ -105,9 +109,12 @@ class AgentSettings(BaseModel):
 
         spec_json = required(wire.ENV_JOB_SPEC)
         try:
-            spec = MegatronJobSpec.model_validate_json(spec_json)
-        except ValidationError as err:
+            # An operator newer than this image may send fields it does not know: not fatal.
+            spec, ignored = validate_ignoring_unknown(MegatronJobSpec, json.loads(spec_json))
+        except (ValidationError, ValueError) as err:
             raise SettingsError(f"{wire.ENV_JOB_SPEC} is not a valid MegatronJobSpec: {err}") from None
+        if ignored:
+            log.warning("this trainer version does not know %s (set by a newer operator): ignored", ", ".join(ignored))
 
         command: tuple[str, ...] = DEFAULT_WORKER_COMMAND
         raw_command = env.get(ENV_WORKER_COMMAND, "").strip()

@@ -16,10 +16,12 @@ handles timeouts itself, see worker/rendezvous.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 
 from megatron_contract import wire
+from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import MegatronJobSpec
 
 ENV_SAMPLE_LOG = "MEGATRON_WORKER_SAMPLE_LOG"
@@ -48,7 +50,8 @@ class WorkerSettings:
         if not raw:
             raise ValueError(f"{wire.ENV_JOB_SPEC} is not set: the agent passes the job spec as JSON")
         try:
-            spec = MegatronJobSpec.model_validate_json(raw)
+            # Fields this version does not know (a newer operator) were named by the agent's log.
+            spec, _ = validate_ignoring_unknown(MegatronJobSpec, json.loads(raw))
         except ValueError as err:
             raise ValueError(f"{wire.ENV_JOB_SPEC} is not a valid MegatronJobSpec: {err}") from err
         pod = env.get(wire.ENV_POD_NAME)
