@@ -5,7 +5,9 @@ PP2 -> TP2, next-step loss bit-identical; TP2xDP2 -> TP2xDP1 in the tests).
 Saving is asynchronous, on Megatron's own path: ``dist_checkpointing.save(...,
 async_sharded_save=True)`` plans the save (collective), and an ``AsyncCallsQueue`` copies the
 tensors to host memory and forks a writer (Megatron's ``TemporalAsyncCaller``); the step that
-triggered the save returns then, and training goes on while the writer writes. Each later step
+triggered the save returns then, and training goes on while the writer writes (on GPUs the host
+buffers of that copy are pinned ahead, in a thread, at each epoch's first step: :mod:`.host_buffers`;
+otherwise the first save would pin them in its step, ~10 s for a 15 GB share). Each later step
 polls the queue (one small all-reduce, on every rank, so every rank finalizes at the same step);
 once every rank's writer is done, Megatron's finalization writes its metadata and rank 0 publishes
 the checkpoint: manifest written, directory renamed into place (:mod:`.checkpoint_files`). Only
