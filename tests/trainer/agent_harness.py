@@ -233,6 +233,7 @@ class AgentProcess:
             env["MEGATRON_WORKER_COMMAND"] = json.dumps(list(worker_command))
         env.update(extra_env or {})
         self._log = self.log_path.open("wb")
+        self._terminated = False
         self.process = subprocess.Popen(
             [PYTHON, "-m", "megatron_trainer.agent"], env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
         )
@@ -283,15 +284,20 @@ class AgentProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def terminate(self) -> None:
+        """SIGTERM once, without waiting: the agent shuts down while the caller goes on."""
+        if self.process.poll() is None and not self._terminated:
+            self.process.send_signal(signal.SIGTERM)
+        self._terminated = True
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM and wait; SIGKILL the agent if it does not end (its workers see EOF and exit)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        self.terminate()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
         self._log.close()
         return self.process.returncode
 
