@@ -28,9 +28,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "operator"))
 
-from operator_harness import Harness, wait_for  # noqa: E402
+from operator_harness import Harness  # noqa: E402
 
 from localcluster.cluster import LocalCluster  # noqa: E402
+from localcluster.waiting import wait_for  # noqa: E402
 from megatron_operator.builders import ANNOTATION_NEXT_SERIAL  # noqa: E402
 
 

@@ -32,6 +32,7 @@ from localcluster import dashboard
 from localcluster.cluster import REPO_ROOT, ClusterError, LocalCluster, free_port
 from localcluster.operator_run import running_operator
 from localcluster.prometheus import LocalPrometheus, PrometheusError, expose_operator, render_chart
+from localcluster.waiting import wait_for
 
 EXAMPLE = REPO_ROOT / "examples" / "megatronjob-local.yaml"
 NAMESPACE = "default"
@@ -69,9 +70,10 @@ def _status(cluster: LocalCluster, name: str) -> dict[str, Any]:
 
 def _watch(cluster: LocalCluster, name: str, until: Any, what: str, timeout: float) -> dict[str, Any]:
     """Print a line whenever the job's status changes, until ``until(status)`` holds."""
-    deadline = time.monotonic() + timeout
     last = None
-    while True:
+
+    def reached() -> dict[str, Any] | None:
+        nonlocal last
         s = _status(cluster, name)
         line = (
             f"  phase={s.get('phase', '-'):<10} mesh={s.get('mesh', '-'):<7} ready={s.get('ready', '-'):<5} "
@@ -85,9 +87,9 @@ def _watch(cluster: LocalCluster, name: str, until: Any, what: str, timeout: flo
             return s
         if s.get("phase") == "Failed":
             raise DemoError(f"the job failed: {json.dumps(s.get('conditions'), indent=1)}")
-        if time.monotonic() > deadline:
-            raise DemoError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.5)
+        return None
+
+    return wait_for(reached, timeout, what, interval=0.5, error=DemoError)
 
 
 def _with_sample_log(job: dict[str, Any], directory: Path) -> dict[str, Any]:

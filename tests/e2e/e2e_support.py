@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from localcluster import waiting
 from localcluster.cluster import LocalCluster
 from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL
 
@@ -51,16 +51,8 @@ def job_status(cluster: LocalCluster, namespace: str, name: str) -> dict[str, An
     return status
 
 
-def wait_for(cond: Callable[[], Any], what: str, timeout: float, on_timeout: Callable[[], str]) -> Any:
-    """Poll ``cond`` until truthy; on timeout fail with ``what`` and the dump from ``on_timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{on_timeout()}")
-        time.sleep(0.25)
+# End-to-end waits read the API server: a few polls a second, no more (two cores run the whole stack).
+wait_for = partial(waiting.wait_for, interval=0.25, error=AssertionError)
 
 
 def dump(cluster: LocalCluster, namespace: str, operator_log: Path) -> str:

@@ -44,9 +44,9 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
         assert code == 201, body
         status = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "e2e")).get("step", 0) >= 5 and s,
-            "training to reach step 5",
             300,
-            show,
+            "training to reach step 5",
+            details=show,
         )
         plan = status["plan"]
         assert status["epoch"] == 1 and plan["sizes"]["dp"] == 2
@@ -56,9 +56,9 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
 
         recovered = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "e2e")).get("epoch", 0) >= 2 and s,
-            "a new plan after the kill",
             120,
-            show,
+            "a new plan after the kill",
+            details=show,
         )
         members = [m["pod"] for m in recovered["plan"]["members"]]
         assert victim not in members and recovered["plan"]["sizes"]["dp"] == 2, "the spare should replace the victim"
@@ -68,15 +68,15 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
         assert recovered["plan"]["resumeStep"] >= step_at_kill
         wait_for(
             lambda: job_status(local_cluster, namespace, "e2e").get("step", 0) >= step_at_kill + 5,
-            "training to continue after the recovery",
             180,
-            show,
+            "training to continue after the recovery",
+            details=show,
         )
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "e2e")).get("phase") == "Succeeded" and s,
-            "the job to succeed",
             600,
-            show,
+            "the job to succeed",
+            details=show,
         )
         assert final["recoveries"] == 1 and final["step"] == 60, show()
 
@@ -102,7 +102,7 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
         # Long enough that the new spare is warm before training ends (a finished job drops its spares).
         code, body = local_cluster.request("POST", jobs, make_elastic_job(name, train_iters=300))
         assert code == 201, body
-        wait_for(lambda: job_status(local_cluster, namespace, name).get("step", 0) >= 5, "step 5", 300, show)
+        wait_for(lambda: job_status(local_cluster, namespace, name).get("step", 0) >= 5, 300, "step 5", details=show)
     before = token()
     assert before
     for path in (secret_path, service_path):
@@ -110,9 +110,9 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
     with running_operator(local_cluster, namespace, log, port):
         wait_for(
             lambda: token() is not None and local_cluster.request("GET", service_path)[0] == 200,
-            "the Secret and the Service recreated by the new operator",
             60,
-            show,
+            "the Secret and the Service recreated by the new operator",
+            details=show,
         )
         assert token() == before, "the recreated Secret holds another token: running pods would be locked out"
         status = job_status(local_cluster, namespace, name)
@@ -124,14 +124,14 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
             lambda: (
                 (s := job_status(local_cluster, namespace, name)).get("epoch", 0) >= 2 and s.get("sparesReady") == 1
             ),
-            "the spare promoted and a new spare running",
             180,
-            show,
+            "the spare promoted and a new spare running",
+            details=show,
         )
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, name)).get("phase") == "Succeeded" and s,
-            "the job to succeed",
             600,
-            show,
+            "the job to succeed",
+            details=show,
         )
         assert final["recoveries"] == 1 and final["step"] == 300, show()

@@ -55,7 +55,10 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
         )
         assert code == 201, body
         status = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, NAME)).get("step", 0) >= 5 and s, "step 5", 300, show
+            lambda: (s := job_status(local_cluster, namespace, NAME)).get("step", 0) >= 5 and s,
+            300,
+            "step 5",
+            details=show,
         )
         victim = status["plan"]["members"][0]["pod"]
         process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
@@ -65,23 +68,23 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
                 and s.get("lastRecoveryDurationSeconds") is not None
                 and s
             ),
-            "the recovery",
             180,
-            show,
+            "the recovery",
+            details=show,
         )
         # A few scrapes after the recovery: the recovery histogram and the new members' steps.
         wait_for(
             lambda: prom.query(f'megatron_operator_recovery_seconds_count{{megatronjob="{NAME}"}} > 0'),
-            "Prometheus to scrape the recovery",
             60,
-            show,
+            "Prometheus to scrape the recovery",
+            details=show,
         )
         resume = recovered["plan"]["resumeStep"]
         wait_for(
             lambda: prom.query(f'min(megatron_agent_step{{megatronjob="{NAME}", role="worker"}}) >= {resume + 3}'),
-            "every worker's steps after the recovery in Prometheus",
             120,
-            show,
+            "every worker's steps after the recovery in Prometheus",
+            details=show,
         )
         time.sleep(3)  # three more scrapes, so the range's last evaluation sees the newest samples
         end = time.time()

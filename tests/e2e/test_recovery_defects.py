@@ -106,9 +106,9 @@ def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show:
             and s.get("step", 0) >= 5
             and s
         ),
-        f"{name} training at epoch {epoch}",
         300,
-        show,
+        f"{name} training at epoch {epoch}",
+        details=show,
     )
 
 
@@ -117,9 +117,9 @@ def _succeeded_after_one_recovery(
 ) -> dict[str, Any]:
     final: dict[str, Any] = wait_for(
         lambda: (s := job_status(cluster, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
-        "the job to end",
         600,
-        show,
+        "the job to end",
+        details=show,
     )
     assert final["phase"] == "Succeeded", show()
     assert final["recoveries"] == 1, show()
@@ -166,9 +166,9 @@ def test_spare_killed_while_it_is_promoted(
         nodes.kill_pod_process(namespace, members[0], signal.SIGKILL)
         plan = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "promo")).get("epoch", 0) >= 2 and s["plan"],
-            "the replacement plan",
             60,
-            show,
+            "the replacement plan",
+            details=show,
         )
         promoted = [m["pod"] for m in plan["members"] if m["pod"] not in members]
         assert len(promoted) == 1, plan
@@ -226,9 +226,9 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
         assert code == 200
         wait_for(
             lambda: any(e.get("reason") == "PeerReportIgnored" for e in _events(local_cluster, namespace)),
-            "the report announced as ignored",
             60,
-            show,
+            "the report announced as ignored",
+            details=show,
         )
         step = job_status(local_cluster, namespace, "calm")["step"]
 
@@ -237,23 +237,23 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
         try:
             wait_for(
                 lambda: any(e.get("reason") == "NodesNotReadyTogether" for e in _events(local_cluster, namespace)),
-                "the partition announced",
                 60,
-                show,
+                "the partition announced",
+                details=show,
             )
             wait_for(
                 lambda: job_status(local_cluster, namespace, "calm").get("step", 0) >= step + 10,
-                "training to go on while the nodes are NotReady",
                 120,
-                show,
+                "training to go on while the nodes are NotReady",
+                details=show,
             )
         finally:
             nodes.set_ready(True)
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "calm")).get("phase") in ("Succeeded", "Failed") and s,
-            "the job to end",
             600,
-            show,
+            "the job to end",
+            details=show,
         )
         assert final["phase"] == "Succeeded" and final["recoveries"] == 0 and final["epoch"] == 1, show()
         assert {m["pod"] for m in final["plan"]["members"]} == {accuser, accused}

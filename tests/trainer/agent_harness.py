@@ -22,9 +22,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from localcluster import waiting
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
 from megatron_contract.job import MegatronJobSpec
@@ -47,21 +49,8 @@ TOKEN = "test-token-" + "x" * 24
 SOURCE_ROOTS = ["contract", "operator", "trainer", "localcluster"]
 
 
-def wait_for[T](condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``condition`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-            if value:
-                return value
-        except (OSError, urllib.error.URLError, KeyError, ValueError) as err:
-            last_error = err
-        time.sleep(interval)
-    raise AssertionError(
-        f"timed out after {timeout:g}s waiting for {what}" + (f" (last error: {last_error})" if last_error else "")
-    )
+# An agent that is not up yet refuses connections or answers half a state: that is "not yet".
+wait_for = partial(waiting.wait_for, error=AssertionError, retry_on=(OSError, KeyError, ValueError))
 
 
 def make_spec(

@@ -20,10 +20,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from localcluster import waiting
 from megatron_contract import wire
 from megatron_contract.job import FailureDetectionSpec, MegatronJobSpec, ModelSpec, TrainingSpec
 from megatron_contract.mesh import (
@@ -53,16 +55,8 @@ REPO = Path(__file__).resolve().parents[2]
 JOB_UID = "00000000-0000-0000-0000-00000000f00d"
 
 
-def wait_for[T](condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
-    """Poll ``condition`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+# Steps of the tiny models take tens of milliseconds: poll often enough to see each one.
+wait_for = partial(waiting.wait_for, interval=0.02)
 
 
 def make_spec(
