@@ -31,6 +31,7 @@ sys.path[:0] = [
     str(REPO / "contract"),
     str(REPO / "trainer"),
     str(REPO / "localcluster"),
+    str(REPO / "tests"),
     str(REPO / "tests" / "trainer"),
     str(REPO / "benchmarks"),
 ]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_harness import Harness  # noqa: E402
 

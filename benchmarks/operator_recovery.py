@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_factories import make_job  # noqa: E402
 from operator_harness import JobApi, OperatorProcess, RecordingAgents  # noqa: E402

@@ -32,6 +32,7 @@ sys.path[:0] = [
     str(REPO / "contract"),
     str(REPO / "trainer"),
     str(REPO / "localcluster"),
+    str(REPO / "tests"),
     str(REPO / "tests" / "trainer"),
 ]
 

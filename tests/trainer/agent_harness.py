@@ -40,6 +40,7 @@ from megatron_contract.mesh import (
     StateSource,
     StateSourceKind,
 )
+from megatronjob_builders import small_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -65,30 +66,20 @@ def make_spec(
     heartbeat_interval: float = 0.2,
     **extra: Any,
 ) -> MegatronJobSpec:
-    """A small valid spec (tiny model, CPU-sized)."""
-    heads = 4 * tp
-    return MegatronJobSpec.model_validate(
-        {
-            "image": "trainer:test",
-            "replicas": replicas,
-            "spares": spares,
-            "tp": tp,
-            "gpusPerPod": gpus_per_pod,
-            "model": {
-                "numLayers": 2,
-                "hiddenSize": heads * 8,
-                "numAttentionHeads": heads,
-                "seqLength": 16,
-                "vocabSize": 128,
-            },
-            "training": {"globalBatchSize": global_batch, "microBatchSize": 1, "trainIters": train_iters},
-            "failureDetection": {
-                "heartbeatIntervalSeconds": heartbeat_interval,
-                "heartbeatTimeoutSeconds": max(10 * heartbeat_interval, 1.0),
-                "collectiveTimeoutSeconds": collective_timeout,
-            },
-            **extra,
-        }
+    """The agents' small spec (:func:`megatronjob_builders.small_spec`), with fast heartbeats and
+    training that lasts until the test stops it."""
+    return small_spec(
+        replicas=replicas,
+        spares=spares,
+        tp=tp,
+        gpus_per_pod=gpus_per_pod,
+        training={"global_batch_size": global_batch, "train_iters": train_iters},
+        failure_detection={
+            "heartbeat_interval_seconds": heartbeat_interval,
+            "heartbeat_timeout_seconds": max(10 * heartbeat_interval, 1.0),
+            "collective_timeout_seconds": collective_timeout,
+        },
+        **extra,
     )
 
 
