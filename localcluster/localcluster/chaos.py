@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from localcluster.cluster import REPO_ROOT, LocalCluster
-from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL, NodeAgent
+from localcluster.jobs import GLOBAL_BATCH, tiny_job
+from localcluster.nodeagent import NodeAgent
 from localcluster.operator_run import OperatorProcess
 from localcluster.waiting import wait_for
 
@@ -266,21 +267,9 @@ class FaultInjector:
 
 
 def chaos_job(name: str, pool: str, samples: Path, iters: int, spares: int, checkpoint: Path | None) -> dict[str, Any]:
-    """A tiny GPT on the process nodes of ``pool``, logging every committed step's samples and loss."""
+    """The local tiny job (:func:`localcluster.jobs.tiny_job`) with the chaos run's stricter failure
+    detection and no limit on recoveries, logging every committed step's samples and loss."""
     spec: dict[str, Any] = {
-        "image": "megatron-trainer:local",
-        "command": ["python", "-m", "megatron_trainer.agent"],
-        "tp": 1,
-        "pp": 1,
-        "gpusPerPod": 1,
-        "replicas": 2,
-        "minReplicas": 1,
-        "spares": spares,
-        "nodeSelector": {NODE_POOL_LABEL: pool},
-        "tolerations": [LOCAL_NODE_TOLERATION],
-        "env": [{"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(samples)}],
-        "model": {"numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 2, "seqLength": 16, "vocabSize": 128},
-        "training": {"globalBatchSize": 4, "microBatchSize": 1, "trainIters": iters, "lr": 0.001, "seed": 7},
         "failureDetection": {
             "heartbeatIntervalSeconds": 1,
             "heartbeatTimeoutSeconds": 10,
@@ -292,7 +281,7 @@ def chaos_job(name: str, pool: str, samples: Path, iters: int, spares: int, chec
     }
     if checkpoint is not None:
         spec["checkpoint"] = {"path": str(checkpoint), "intervalSteps": 10, "keep": 3}
-    return {"apiVersion": "megatron.dev/v1alpha1", "kind": "MegatronJob", "metadata": {"name": name}, "spec": spec}
+    return tiny_job(name, pool=pool, replicas=2, spares=spares, train_iters=iters, samples=samples, **spec)
 
 
 def read_samples(directory: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
@@ -513,7 +502,7 @@ def run(
                 violations.append(f"the job ended {final['phase']} without a reason: {final.get('conditions')}")
         else:
             records, ref_records = read_samples(samples), read_samples(ref_samples)
-            problems, history, redone = check_history(records, iters, 4, injector.victims)
+            problems, history, redone = check_history(records, iters, GLOBAL_BATCH, injector.victims)
             violations += problems
             record["redoneSteps"] = redone
             record["losses"] = compare_losses(records, history, ref_records)

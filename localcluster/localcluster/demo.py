@@ -30,6 +30,7 @@ import yaml
 
 from localcluster import dashboard
 from localcluster.cluster import REPO_ROOT, ClusterError, LocalCluster, free_port
+from localcluster.jobs import with_sample_log
 from localcluster.operator_run import running_operator
 from localcluster.prometheus import LocalPrometheus, PrometheusError, expose_operator, render_chart
 from localcluster.waiting import wait_for
@@ -90,13 +91,6 @@ def _watch(cluster: LocalCluster, name: str, until: Any, what: str, timeout: flo
         return None
 
     return wait_for(reached, timeout, what, interval=0.5, error=DemoError)
-
-
-def _with_sample_log(job: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """``job`` whose workers append each committed step's loss to ``directory`` (one rank per replica)."""
-    spec = job["spec"]
-    spec["env"] = [*spec.get("env", []), {"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(directory)}]
-    return job
 
 
 def _losses(directory: Path) -> dict[int, float]:
@@ -216,7 +210,7 @@ def main() -> int:
                 (samples / name).mkdir(parents=True, exist_ok=True)
                 for old in (samples / name).glob("*.jsonl"):
                     old.unlink()
-                if _kubectl(cluster, "apply", "-f", "-", stdin=yaml.safe_dump(_with_sample_log(job, samples / name))):
+                if _kubectl(cluster, "apply", "-f", "-", stdin=yaml.safe_dump(with_sample_log(job, samples / name))):
                     return 1
             started = time.time()
             status = _watch(cluster, job_name, lambda s: s.get("step", 0) >= 5, "training to reach step 5", 300)
