@@ -19,6 +19,7 @@ lint:
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(CACHE)/venv/bin/lint-imports
 
 crds:
 	$(PY) -m megatron_contract.crd --write

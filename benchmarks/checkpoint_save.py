@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [
     str(REPO / "contract"),
     str(REPO / "trainer"),
+    str(REPO / "localcluster"),
+    str(REPO / "tests"),
     str(REPO / "tests" / "trainer"),
     str(REPO / "benchmarks"),
 ]

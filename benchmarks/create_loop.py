@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
-from operator_harness import Harness, wait_for  # noqa: E402
+from operator_harness import Harness  # noqa: E402
 
 from localcluster.cluster import LocalCluster  # noqa: E402
+from localcluster.waiting import wait_for  # noqa: E402
 from megatron_operator.builders import ANNOTATION_NEXT_SERIAL  # noqa: E402
 
 

@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_factories import make_job  # noqa: E402
-from operator_harness import JobApi, OperatorProcess, RecordingAgents, wait_for  # noqa: E402
+from operator_harness import JobApi, OperatorProcess, RecordingAgents  # noqa: E402
 
 from localcluster.cluster import LocalCluster  # noqa: E402
+from localcluster.waiting import wait_for  # noqa: E402
 
 JOB = "bench"
 

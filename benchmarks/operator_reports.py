@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_factories import JOB_UID, make_job, make_pod_refs, make_spec  # noqa: E402
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from operator_factories import JOB_UID, make_pod_refs, make_spec
 

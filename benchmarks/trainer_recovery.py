@@ -28,7 +28,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "contract"), str(REPO / "trainer"), str(REPO / "tests" / "trainer")]
+sys.path[:0] = [
+    str(REPO / "contract"),
+    str(REPO / "trainer"),
+    str(REPO / "localcluster"),
+    str(REPO / "tests"),
+    str(REPO / "tests" / "trainer"),
+]
 
 from worker_harness import WorkerCluster, make_spec, wait_for  # noqa: E402
 

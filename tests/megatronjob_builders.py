@@ -1,13 +1,17 @@
-"""Builders of MegatronJob documents for contract and CRD tests: the example, and bad variants."""
+"""Builders of MegatronJob documents and specs for the tests: the examples, bad variants, resources in
+the usual quantity forms, and the small spec that the operator, agent and worker harnesses start from."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from megatron_contract.job import MegatronJobSpec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
 LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
@@ -19,6 +23,44 @@ def example_job(name: str = "gpt-demo", path: Path = EXAMPLE) -> dict[str, Any]:
     job: dict[str, Any] = yaml.safe_load(path.read_text())
     job["metadata"] = {"name": name}
     return job
+
+
+def small_spec(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    model: dict[str, Any] | None = None,
+    training: dict[str, Any] | None = None,
+    failure_detection: dict[str, Any] | None = None,
+    **fields: Any,
+) -> MegatronJobSpec:
+    """A small valid spec, in snake_case field names: a tiny GPT (2 layers per pipeline stage, 4 heads
+    or one per tensor-parallel rank, 8 wide each, 16 tokens, a vocabulary of 128) that trains in a
+    fraction of a second per step on CPU, with a global batch of 8 in micro-batches of 1.
+
+    ``model``, ``training`` and ``failure_detection`` add or replace fields of those sections (a model
+    preset brings its own shape); ``fields`` sets any other spec field (replicas, spares, ...).
+    """
+    heads = math.lcm(4, tp)
+    tiny = {
+        "num_layers": 2 * pp,
+        "hidden_size": 8 * heads,
+        "num_attention_heads": heads,
+        "seq_length": 16,
+        "vocab_size": 128,
+    }
+    model = model or {}
+    return MegatronJobSpec.model_validate(
+        {
+            "image": "trainer:test",
+            "tp": tp,
+            "pp": pp,
+            "model": {**({} if model.get("preset") else tiny), **model},
+            "training": {"global_batch_size": 8, "micro_batch_size": 1, **(training or {})},
+            "failure_detection": failure_detection or {},
+            **fields,
+        }
+    )
 
 
 def with_spec(job: dict[str, Any], **changes: Any) -> dict[str, Any]:
@@ -38,6 +80,15 @@ def with_spec(job: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 
 DELETE = object()
+
+#: Resources in the usual quantity forms, GPUs equal to the example's gpusPerPod (2) as a number and
+#: as a string: what the models and the API server both accept.
+GOOD_RESOURCES = {
+    "requests": {"cpu": "500m", "memory": "16Gi", "ephemeral-storage": "1e3", "nvidia.com/gpu": 2},
+    "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"},
+}
+#: The longest name a MegatronJob may have (63 characters: its pods' names and labels derive from it).
+LONGEST_NAME = "n" * 62 + "0"
 
 #: Spec changes the rules of spec.template accept (the example has gpusPerPod 2): the trainer's GPUs
 #: equal to gpusPerPod as a number and as a string, an RDMA device, a port of its own, a sidecar with

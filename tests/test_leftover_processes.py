@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from leftover_processes import ENV_GRACE
+from localcluster.waiting import wait_for
 
 TESTS = Path(__file__).resolve().parent
 
@@ -66,10 +66,7 @@ def test_a_process_left_running_fails_the_session_and_is_killed(tmp_path: Path) 
         assert result.returncode == 1, result.stdout + result.stderr
         assert "1 passed" in result.stdout
         assert "still running" in result.stdout and f"pid {pid}: sleep 300" in result.stdout
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(pid), f"the check did not kill the leftover sleep {pid}"
+        wait_for(lambda: not alive(pid), 10, f"the check to kill the leftover sleep {pid}")
     finally:
         if alive(pid):
             os.kill(pid, 9)

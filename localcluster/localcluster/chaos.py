@@ -36,12 +36,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from localcluster.cluster import REPO_ROOT, LocalCluster
-from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL, NodeAgent
+from localcluster.jobs import GLOBAL_BATCH, tiny_job
+from localcluster.nodeagent import NodeAgent
 from localcluster.operator_run import OperatorProcess
+from localcluster.waiting import wait_for
 
 FAULTS = (
     "worker_sigkill",
@@ -264,21 +267,9 @@ class FaultInjector:
 
 
 def chaos_job(name: str, pool: str, samples: Path, iters: int, spares: int, checkpoint: Path | None) -> dict[str, Any]:
-    """A tiny GPT on the process nodes of ``pool``, logging every committed step's samples and loss."""
+    """The local tiny job (:func:`localcluster.jobs.tiny_job`) with the chaos run's stricter failure
+    detection and no limit on recoveries, logging every committed step's samples and loss."""
     spec: dict[str, Any] = {
-        "image": "megatron-trainer:local",
-        "command": ["python", "-m", "megatron_trainer.agent"],
-        "tp": 1,
-        "pp": 1,
-        "gpusPerPod": 1,
-        "replicas": 2,
-        "minReplicas": 1,
-        "spares": spares,
-        "nodeSelector": {NODE_POOL_LABEL: pool},
-        "tolerations": [LOCAL_NODE_TOLERATION],
-        "env": [{"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(samples)}],
-        "model": {"numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 2, "seqLength": 16, "vocabSize": 128},
-        "training": {"globalBatchSize": 4, "microBatchSize": 1, "trainIters": iters, "lr": 0.001, "seed": 7},
         "failureDetection": {
             "heartbeatIntervalSeconds": 1,
             "heartbeatTimeoutSeconds": 10,
@@ -290,7 +281,7 @@ def chaos_job(name: str, pool: str, samples: Path, iters: int, spares: int, chec
     }
     if checkpoint is not None:
         spec["checkpoint"] = {"path": str(checkpoint), "intervalSteps": 10, "keep": 3}
-    return {"apiVersion": "megatron.dev/v1alpha1", "kind": "MegatronJob", "metadata": {"name": name}, "spec": spec}
+    return tiny_job(name, pool=pool, replicas=2, spares=spares, train_iters=iters, samples=samples, **spec)
 
 
 def read_samples(directory: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
@@ -399,15 +390,8 @@ def leftover_processes(pod_prefixes: tuple[str, ...]) -> list[str]:
     return found
 
 
-def _wait(cond: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise ChaosError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
+# A chaos run polls the API server; a timeout is the run's own error (some are expected: a stuck job).
+_wait = partial(wait_for, interval=0.2, error=ChaosError)
 
 
 def run(
@@ -443,7 +427,7 @@ def run(
             code, resp = cluster.request("POST", JOBS.format(ns=namespace), body)
             if code != 201:
                 raise ChaosError(f"could not create {body['metadata']['name']}: {code} {resp}")
-        _wait(lambda: (injector.status().get("step") or 0) >= 3, "the job to train 3 steps", 300)
+        _wait(lambda: (injector.status().get("step") or 0) >= 3, 300, "the job to train 3 steps")
         progress = (3, time.monotonic())  # (newest step seen, when): a job that stops training is stuck
         previous_epoch = injector.status().get("epoch", 0)
         for i, d in enumerate(draw(seed, faults)):
@@ -499,14 +483,14 @@ def run(
                 raise _Stuck
             return None
 
-        final = _wait(ended_or_stuck, "the job to end", max(600.0, iters * 1.5))
+        final = _wait(ended_or_stuck, max(600.0, iters * 1.5), "the job to end")
         _wait(
             lambda: (
                 (cluster.request("GET", JOBS.format(ns=namespace) + f"/{ref_name}")[1].get("status") or {}).get("phase")
                 in ("Succeeded", "Failed")
             ),
-            "the failure-free twin to end",
             600,
+            "the failure-free twin to end",
         )
         record["phase"] = final["phase"]
         record["recoveries"] = final.get("recoveries")
@@ -518,7 +502,7 @@ def run(
                 violations.append(f"the job ended {final['phase']} without a reason: {final.get('conditions')}")
         else:
             records, ref_records = read_samples(samples), read_samples(ref_samples)
-            problems, history, redone = check_history(records, iters, 4, injector.victims)
+            problems, history, redone = check_history(records, iters, GLOBAL_BATCH, injector.victims)
             violations += problems
             record["redoneSteps"] = redone
             record["losses"] = compare_losses(records, history, ref_records)
@@ -538,8 +522,8 @@ def run(
         try:
             _wait(
                 lambda: not any(p.namespace == namespace for a in (nodes, reference_nodes) for p in a.pods.values()),
-                "the jobs' pods to go",
                 90,
+                "the jobs' pods to go",
             )
         except ChaosError as err:
             violations.append(str(err))
@@ -567,14 +551,14 @@ def _await_phase(injector: FaultInjector, d: Draw, previous_epoch: int, iters: i
     if d.phase == "promotion":
         # The newest plan's members that were spares before it: hit one while it joins.
         try:
-            s = _wait(lambda: (s := injector.status()).get("epoch", 0) > previous_epoch and s, "a new plan", 15)
+            s = _wait(lambda: (s := injector.status()).get("epoch", 0) > previous_epoch and s, 15, "a new plan")
         except ChaosError:
             return None
         members = [m["pod"] for m in s["plan"]["members"]]
         promoted = [p for p in members if p not in injector.victims]
         return injector.rng.choice(promoted) if promoted else None
     try:
-        _wait(training, "the job to train", 120)
+        _wait(training, 120, "the job to train")
     except ChaosError:
         return None  # faults keep coming while a job is stuck: that is the point
     if d.phase == "save":
@@ -582,7 +566,7 @@ def _await_phase(injector: FaultInjector, d: Draw, previous_epoch: int, iters: i
         boundary = (step // 10 + 1) * 10
         if boundary < iters:
             with contextlib.suppress(ChaosError):
-                _wait(lambda: (injector.status().get("step") or 0) >= boundary - 1, "a save", 60)
+                _wait(lambda: (injector.status().get("step") or 0) >= boundary - 1, 60, "a save")
     else:
         time.sleep(injector.rng.uniform(0.0, 0.8))  # somewhere inside a step
     return None

@@ -31,6 +31,7 @@ import yaml
 
 from localcluster import build, certs
 from localcluster.nodeagent import PROCESS_POD_OCTETS, NodeAgent
+from localcluster.waiting import wait_for
 
 SERVICE_CIDR = "10.0.0.0/24"
 #: Pod IPs of kwok nodes are on loopback (127.K.x.y), so a test can serve at a pod's address;
@@ -311,13 +312,23 @@ class LocalCluster:
         )
 
     def _wait(self, ready: Callable[[], bool], name: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not ready():
+        """Until ``ready()``; a control-plane process that exits meanwhile fails the wait at once."""
+
+        def ready_while_all_alive() -> bool:
+            if ready():
+                return True
             for proc_name in self.procs:
                 self._check_alive(proc_name)
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{name} not ready after {timeout:.0f} s:\n{self._log_tail(name)}")
-            time.sleep(0.1)
+            return False
+
+        wait_for(
+            ready_while_all_alive,
+            timeout,
+            f"{name} to be ready",
+            interval=0.1,
+            error=ClusterError,
+            details=lambda: self._log_tail(name),
+        )
 
     # -- API access -------------------------------------------------------------------------------
 

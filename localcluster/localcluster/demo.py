@@ -30,8 +30,10 @@ import yaml
 
 from localcluster import dashboard
 from localcluster.cluster import REPO_ROOT, ClusterError, LocalCluster, free_port
+from localcluster.jobs import with_sample_log
 from localcluster.operator_run import running_operator
 from localcluster.prometheus import LocalPrometheus, PrometheusError, expose_operator, render_chart
+from localcluster.waiting import wait_for
 
 EXAMPLE = REPO_ROOT / "examples" / "megatronjob-local.yaml"
 NAMESPACE = "default"
@@ -69,9 +71,10 @@ def _status(cluster: LocalCluster, name: str) -> dict[str, Any]:
 
 def _watch(cluster: LocalCluster, name: str, until: Any, what: str, timeout: float) -> dict[str, Any]:
     """Print a line whenever the job's status changes, until ``until(status)`` holds."""
-    deadline = time.monotonic() + timeout
     last = None
-    while True:
+
+    def reached() -> dict[str, Any] | None:
+        nonlocal last
         s = _status(cluster, name)
         line = (
             f"  phase={s.get('phase', '-'):<10} mesh={s.get('mesh', '-'):<7} ready={s.get('ready', '-'):<5} "
@@ -85,16 +88,9 @@ def _watch(cluster: LocalCluster, name: str, until: Any, what: str, timeout: flo
             return s
         if s.get("phase") == "Failed":
             raise DemoError(f"the job failed: {json.dumps(s.get('conditions'), indent=1)}")
-        if time.monotonic() > deadline:
-            raise DemoError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.5)
+        return None
 
-
-def _with_sample_log(job: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """``job`` whose workers append each committed step's loss to ``directory`` (one rank per replica)."""
-    spec = job["spec"]
-    spec["env"] = [*spec.get("env", []), {"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(directory)}]
-    return job
+    return wait_for(reached, timeout, what, interval=0.5, error=DemoError)
 
 
 def _losses(directory: Path) -> dict[int, float]:
@@ -214,7 +210,7 @@ def main() -> int:
                 (samples / name).mkdir(parents=True, exist_ok=True)
                 for old in (samples / name).glob("*.jsonl"):
                     old.unlink()
-                if _kubectl(cluster, "apply", "-f", "-", stdin=yaml.safe_dump(_with_sample_log(job, samples / name))):
+                if _kubectl(cluster, "apply", "-f", "-", stdin=yaml.safe_dump(with_sample_log(job, samples / name))):
                     return 1
             started = time.time()
             status = _watch(cluster, job_name, lambda s: s.get("step", 0) >= 5, "training to reach step 5", 300)

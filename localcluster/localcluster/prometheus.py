@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -34,6 +33,7 @@ import yaml
 
 from localcluster import build
 from localcluster.cluster import LocalCluster, free_port
+from localcluster.waiting import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "megatron-operator"
@@ -337,16 +337,27 @@ class LocalPrometheus(PrometheusClient):
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise PrometheusError(f"prometheus exited with {self._proc.returncode}; log: {self.log}")
+        proc = self._proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise PrometheusError(f"prometheus exited with {proc.returncode}; log: {self.log}")
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-            time.sleep(0.3)
-        self.stop()
-        raise PrometheusError(f"prometheus not ready after {timeout:.0f} s; log: {self.log}")
+                return bool(resp.status == 200)
+            return False
+
+        try:
+            wait_for(
+                ready,
+                timeout,
+                "prometheus to be ready",
+                interval=0.3,
+                error=PrometheusError,
+                details=lambda: f"log: {self.log}",
+            )
+        except PrometheusError:  # exited, or not ready in time
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self._proc is None:

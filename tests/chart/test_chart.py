@@ -1,8 +1,10 @@
 """The Helm chart: `helm lint` passes; it renders the operator Deployment, RBAC, ServiceAccount
 and Service with secure defaults (no read access to Secrets; the token key is a Secret the chart
-creates, or the user's, mounted into the pod); every environment variable it sets is one the operator's
-settings read; every value is documented with a `# --` comment; and `helm install` into the real
-local control plane creates the objects (the ServiceMonitor only when enabled)."""
+creates, or the user's, mounted into the pod); in each namespace of jobs, a NetworkPolicy whose
+selectors and port match the pods the operator builds (trainers reach each other on every port,
+the operator reaches the agents' control port); every environment variable it sets is one the
+operator's settings read; every value is documented with a `# --` comment; and `helm install` into
+the real local control plane creates the objects (the ServiceMonitor only when enabled)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import yaml
 
 from localcluster import build
 from localcluster.cluster import LocalCluster
+from megatron_contract import wire
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "megatron-operator"
 
@@ -114,6 +117,88 @@ def test_monitoring_objects_only_when_enabled(helm: Path) -> None:
     )
 
 
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    tests = {
+        "In": lambda e: labels.get(e["key"]) in e["values"],
+        "NotIn": lambda e: labels.get(e["key"]) not in e["values"],
+        "Exists": lambda e: e["key"] in labels,
+        "DoesNotExist": lambda e: e["key"] not in labels,
+    }
+    return all(tests[e["operator"]](e) for e in selector.get("matchExpressions", []))
+
+
+def _trainer_pods() -> list[dict[str, Any]]:
+    """Pods as the operator builds them: a worker and a spare, one with labels of its own."""
+    from megatron_operator.builders import JobRef, build_pod
+    from megatronjob_builders import small_spec
+
+    job = JobRef("llm", "team-a", "uid-1")
+    spec = small_spec(replicas=2, spares=1)
+    labelled = small_spec(replicas=2, spares=1, template={"metadata": {"labels": {"team": "nlp"}}})
+    return [
+        build_pod(job, spec, serial=0, role=wire.ROLE_WORKER, operator_url="http://operator"),
+        build_pod(job, labelled, serial=1, role=wire.ROLE_SPARE, operator_url="http://operator"),
+    ]
+
+
+def _container_port(pod: dict[str, Any], port: int | str) -> int:
+    """The number a NetworkPolicy port (a number or a container port's name) means in ``pod``."""
+    if isinstance(port, int):
+        return port
+    [number] = [
+        p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", []) if p.get("name") == port
+    ]
+    return int(number)
+
+
+def test_network_policy_admits_the_operator_to_the_agent_port_and_trainers_to_each_other(helm: Path) -> None:
+    docs = render(
+        helm, "watchNamespaces={team-a,team-b}", "networkPolicy.agentPortFrom[0].podSelector.matchLabels.app=prom"
+    )
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    operator_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    pods = _trainer_pods()
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"], "egress (reports to the operator, storage, DNS) is left alone"
+        assert all(_selects(spec["podSelector"], pod["metadata"]["labels"]) for pod in pods)
+        among, agent = spec["ingress"]
+        # Trainer pods reach each other on every port: the rendezvous store, NCCL and gloo.
+        assert "ports" not in among
+        assert all(
+            any(_selects(peer["podSelector"], pod["metadata"]["labels"]) for peer in among["from"]) for pod in pods
+        )
+        assert all(set(peer) == {"podSelector"} for peer in among["from"]), "peers of the pod's own namespace"
+        # The operator's pods (and the peers given) reach the agents' control port, nothing else.
+        for pod in pods:
+            assert [(p["protocol"], _container_port(pod, p["port"])) for p in agent["ports"]] == [
+                ("TCP", wire.AGENT_PORT)
+            ]
+        operator_peer, extra = agent["from"]
+        assert operator_peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "megatron-system"}}
+        assert _selects(operator_peer["podSelector"], operator_labels)
+        assert not _selects(operator_peer["podSelector"], pods[0]["metadata"]["labels"])
+        assert extra == {"podSelector": {"matchLabels": {"app": "prom"}}}
+    # Namespaces named for the policy win over the watched ones; off, or no namespace known: none.
+    named = [
+        d
+        for d in render(helm, "watchNamespaces={team-a}", "networkPolicy.namespaces={ml}")
+        if d["kind"] == "NetworkPolicy"
+    ]
+    assert [p["metadata"]["namespace"] for p in named] == ["ml"]
+    assert not [
+        d
+        for d in render(helm, "watchNamespaces={team-a}", "networkPolicy.enabled=false")
+        if d["kind"] == "NetworkPolicy"
+    ]
+    assert not [d for d in render(helm) if d["kind"] == "NetworkPolicy"]
+
+
 def _exposed_metric_names() -> set[str]:
     """Every series name the operator and the trainer agent export."""
     import prometheus_client
@@ -169,7 +254,10 @@ def test_every_value_is_documented() -> None:
 def test_helm_install_into_the_local_cluster(helm: Path, local_cluster: LocalCluster) -> None:
     kc = f"--kubeconfig={local_cluster.kubeconfig}"
     proc = subprocess.run(
-        [str(helm), "install", "mo", str(CHART), kc, "--namespace", "megatron-system", "--create-namespace"],
+        [
+            *(str(helm), "install", "mo", str(CHART), kc, "--namespace", "megatron-system", "--create-namespace"),
+            *("--set", "networkPolicy.namespaces={megatron-system}"),  # the API server accepts the policy
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -178,5 +266,8 @@ def test_helm_install_into_the_local_cluster(helm: Path, local_cluster: LocalClu
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = local_cluster.kubectl("get", "deploy,svc,sa", "-n", "megatron-system", "-o", "name").stdout.split()
         assert "deployment.apps/mo-megatron-operator" in got and "service/mo-megatron-operator" in got, got
+        policies = local_cluster.kubectl("get", "networkpolicy", "-n", "megatron-system", "-o", "name").stdout.split()
+        assert policies == ["networkpolicy.networking.k8s.io/mo-megatron-operator-trainers"], policies
+        assert "Trainer pods in megatron-system accept only each other" in proc.stdout, proc.stdout  # NOTES
     finally:
         subprocess.run([str(helm), "uninstall", "mo", kc, "--namespace", "megatron-system"], capture_output=True)

@@ -15,8 +15,10 @@ from megatron_contract import MegatronJob, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.job import Condition, JobPhase
 from megatronjob_builders import (
     BAD_JOBS,
+    GOOD_RESOURCES,
     GOOD_TEMPLATE,
     LLAMA_EXAMPLE,
+    LONGEST_NAME,
     PRODUCTION_EXAMPLE,
     BadJob,
     example_job,
@@ -75,11 +77,7 @@ def test_a_template_that_clashes_with_nothing_parses() -> None:
 
 
 def test_quantities_and_matching_gpus_parse() -> None:
-    resources = {
-        "requests": {"cpu": "500m", "memory": "16Gi", "nvidia.com/gpu": 2},
-        "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"},
-    }
-    job = MegatronJob.model_validate(with_spec(example_job("n" * 62 + "0"), resources=resources))
+    job = MegatronJob.model_validate(with_spec(example_job(LONGEST_NAME), resources=GOOD_RESOURCES))
     assert job.spec.resources.requests["cpu"] == "500m" and job.spec.resources.limits["cpu"] == 4
 
 

@@ -1,47 +1,39 @@
-"""Support for end-to-end runs: job builders, waiting with a deadline, dumps on failure."""
+"""Support for end-to-end runs: process nodes, job builders, waiting with a deadline, dumps on failure."""
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from localcluster import waiting
 from localcluster.cluster import LocalCluster
-from localcluster.nodeagent import LOCAL_NODE_TOLERATION, NODE_POOL_LABEL
+from localcluster.jobs import tiny_job
+from localcluster.nodeagent import NodeAgent
 
 JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
 
 
-def make_elastic_job(
-    name: str = "e2e", *, pool: str = "e2e", replicas: int = 2, spares: int = 1, train_iters: int = 40, **spec: Any
-) -> dict[str, Any]:
-    """A tiny GPT job whose pods run the real trainer agent on the node agent's process nodes."""
-    body: dict[str, Any] = {
-        "image": "megatron-trainer:local",
-        "command": ["python", "-m", "megatron_trainer.agent"],
-        "tp": 1,
-        "pp": 1,
-        "gpusPerPod": 1,
-        "replicas": replicas,
-        "minReplicas": 1,
-        "spares": spares,
-        "nodeSelector": {NODE_POOL_LABEL: pool},  # the nodes of the test's own node agent
-        "tolerations": [LOCAL_NODE_TOLERATION],
-        "model": {"numLayers": 2, "hiddenSize": 32, "numAttentionHeads": 2, "seqLength": 16, "vocabSize": 128},
-        "training": {"globalBatchSize": 4, "microBatchSize": 1, "trainIters": train_iters, "lr": 0.001, "seed": 7},
-        "failureDetection": {
-            "heartbeatIntervalSeconds": 1,
-            "heartbeatTimeoutSeconds": 20,
-            "collectiveTimeoutSeconds": 15,
-            # CPU steps of processes sharing two cores stall for seconds: a hang is a stall past 5 s.
-            "hangDetectionFloorSeconds": 5,
-        },
-        "maxRecoveries": 5,
-    }
-    body.update(spec)
-    return {"apiVersion": "megatron.dev/v1alpha1", "kind": "MegatronJob", "metadata": {"name": name}, "spec": body}
+def process_nodes_fixture(count: int, pool: str) -> Any:
+    """A module-scoped fixture: ``count`` process nodes of one GPU each in ``pool``, the module's own
+    (assign it to the fixture's name: ``process_nodes = process_nodes_fixture(4, "e2e")``)."""
+
+    @pytest.fixture(scope="module")
+    def process_nodes(local_cluster: LocalCluster) -> NodeAgent:
+        """Process nodes of this module's own pool: its jobs' pods run nowhere else."""
+        return local_cluster.add_process_nodes(count, gpus_per_node=1, prefix=pool)
+
+    return process_nodes
+
+
+def make_elastic_job(name: str = "e2e", *, pool: str = "e2e", **overrides: Any) -> dict[str, Any]:
+    """The local tiny job (:func:`localcluster.jobs.tiny_job`: its defaults, ``overrides`` on top) on
+    the process nodes of the test's own node agent."""
+    return tiny_job(name, pool=pool, **overrides)
 
 
 def job_status(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
@@ -51,16 +43,26 @@ def job_status(cluster: LocalCluster, namespace: str, name: str) -> dict[str, An
     return status
 
 
-def wait_for(cond: Callable[[], Any], what: str, timeout: float, on_timeout: Callable[[], str]) -> Any:
-    """Poll ``cond`` until truthy; on timeout fail with ``what`` and the dump from ``on_timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{on_timeout()}")
-        time.sleep(0.25)
+# End-to-end waits read the API server: a few polls a second, no more (two cores run the whole stack).
+wait_for = partial(waiting.wait_for, interval=0.25, error=AssertionError)
+
+
+def submit(cluster: LocalCluster, namespace: str, job: dict[str, Any]) -> None:
+    """Create the MegatronJob ``job``."""
+    code, body = cluster.request("POST", JOBS.format(ns=namespace), job)
+    assert code == 201, body
+
+
+def wait_for_step(
+    cluster: LocalCluster, namespace: str, name: str, step: int, timeout: float, show: Callable[[], str]
+) -> dict[str, Any]:
+    """The job's status once it has trained ``step`` steps; on timeout, fail with ``show()``."""
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (s := job_status(cluster, namespace, name)).get("step", 0) >= step and s,
+        timeout,
+        f"{name} to reach step {step}",
+        details=show,
+    )
 
 
 def dump(cluster: LocalCluster, namespace: str, operator_log: Path) -> str:

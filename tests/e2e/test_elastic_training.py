@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import base64
 import signal
+from functools import partial
 from pathlib import Path
 
 import pytest
-from e2e_support import dump, job_status, make_elastic_job, wait_for
+from e2e_support import (
+    dump,
+    job_status,
+    make_elastic_job,
+    process_nodes_fixture,
+    submit,
+    wait_for,
+    wait_for_step,
+)
 
 from localcluster.cluster import LocalCluster, free_port
 from localcluster.nodeagent import NodeAgent
@@ -23,9 +32,7 @@ from localcluster.operator_run import running_operator
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def process_nodes(local_cluster: LocalCluster) -> NodeAgent:
-    return local_cluster.add_process_nodes(4, gpus_per_node=1, prefix="e2e")
+process_nodes = process_nodes_fixture(4, "e2e")
 
 
 def test_spare_replaces_a_killed_worker_and_training_completes(
@@ -34,20 +41,11 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
     log = tmp_path / "operator.log"
     job = make_elastic_job(train_iters=60)
 
-    def show() -> str:
-        return dump(local_cluster, namespace, log)
+    show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log):
-        code, body = local_cluster.request(
-            "POST", f"/apis/megatron.dev/v1alpha1/namespaces/{namespace}/megatronjobs", job
-        )
-        assert code == 201, body
-        status = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "e2e")).get("step", 0) >= 5 and s,
-            "training to reach step 5",
-            300,
-            show,
-        )
+        submit(local_cluster, namespace, job)
+        status = wait_for_step(local_cluster, namespace, "e2e", 5, 300, show)
         plan = status["plan"]
         assert status["epoch"] == 1 and plan["sizes"]["dp"] == 2
         victim = plan["members"][0]["pod"]
@@ -56,9 +54,9 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
 
         recovered = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "e2e")).get("epoch", 0) >= 2 and s,
-            "a new plan after the kill",
             120,
-            show,
+            "a new plan after the kill",
+            details=show,
         )
         members = [m["pod"] for m in recovered["plan"]["members"]]
         assert victim not in members and recovered["plan"]["sizes"]["dp"] == 2, "the spare should replace the victim"
@@ -68,15 +66,15 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
         assert recovered["plan"]["resumeStep"] >= step_at_kill
         wait_for(
             lambda: job_status(local_cluster, namespace, "e2e").get("step", 0) >= step_at_kill + 5,
-            "training to continue after the recovery",
             180,
-            show,
+            "training to continue after the recovery",
+            details=show,
         )
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "e2e")).get("phase") == "Succeeded" and s,
-            "the job to succeed",
             600,
-            show,
+            "the job to succeed",
+            details=show,
         )
         assert final["recoveries"] == 1 and final["step"] == 60, show()
 
@@ -86,12 +84,10 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
 ) -> None:
     log = tmp_path / "operator.log"
     name = "e2e-kids"
-    jobs = f"/apis/megatron.dev/v1alpha1/namespaces/{namespace}/megatronjobs"
     secret_path = f"/api/v1/namespaces/{namespace}/secrets/{name}-token"
     service_path = f"/api/v1/namespaces/{namespace}/services/{name}"
 
-    def show() -> str:
-        return dump(local_cluster, namespace, log)
+    show = partial(dump, local_cluster, namespace, log)
 
     def token() -> str | None:
         code, secret = local_cluster.request("GET", secret_path)
@@ -100,9 +96,8 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
     port = free_port()  # both operator processes: the pods report to the URL they were created with
     with running_operator(local_cluster, namespace, log, port):
         # Long enough that the new spare is warm before training ends (a finished job drops its spares).
-        code, body = local_cluster.request("POST", jobs, make_elastic_job(name, train_iters=300))
-        assert code == 201, body
-        wait_for(lambda: job_status(local_cluster, namespace, name).get("step", 0) >= 5, "step 5", 300, show)
+        submit(local_cluster, namespace, make_elastic_job(name, train_iters=300))
+        wait_for_step(local_cluster, namespace, name, 5, 300, show)
     before = token()
     assert before
     for path in (secret_path, service_path):
@@ -110,9 +105,9 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
     with running_operator(local_cluster, namespace, log, port):
         wait_for(
             lambda: token() is not None and local_cluster.request("GET", service_path)[0] == 200,
-            "the Secret and the Service recreated by the new operator",
             60,
-            show,
+            "the Secret and the Service recreated by the new operator",
+            details=show,
         )
         assert token() == before, "the recreated Secret holds another token: running pods would be locked out"
         status = job_status(local_cluster, namespace, name)
@@ -124,14 +119,14 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
             lambda: (
                 (s := job_status(local_cluster, namespace, name)).get("epoch", 0) >= 2 and s.get("sparesReady") == 1
             ),
-            "the spare promoted and a new spare running",
             180,
-            show,
+            "the spare promoted and a new spare running",
+            details=show,
         )
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, name)).get("phase") == "Succeeded" and s,
-            "the job to succeed",
             600,
-            show,
+            "the job to succeed",
+            details=show,
         )
         assert final["recoveries"] == 1 and final["step"] == 300, show()

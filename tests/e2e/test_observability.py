@@ -11,10 +11,19 @@ from __future__ import annotations
 import math
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
-from e2e_support import dump, job_status, make_elastic_job, wait_for
+from e2e_support import (
+    dump,
+    job_status,
+    make_elastic_job,
+    process_nodes_fixture,
+    submit,
+    wait_for,
+    wait_for_step,
+)
 
 from localcluster import dashboard
 from localcluster.cluster import LocalCluster, free_port
@@ -27,9 +36,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 NAME = "observed"
 
 
-@pytest.fixture(scope="module")
-def process_nodes(local_cluster: LocalCluster) -> NodeAgent:
-    return local_cluster.add_process_nodes(3, gpus_per_node=1, prefix="obs")
+process_nodes = process_nodes_fixture(3, "obs")
 
 
 def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
@@ -39,8 +46,7 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
     docs = render_chart()
     metrics_port, report_port = free_port(), free_port()
 
-    def show() -> str:
-        return dump(local_cluster, namespace, log)
+    show = partial(dump, local_cluster, namespace, log)
 
     with (
         LocalPrometheus(local_cluster, tmp_path / "prometheus", docs) as prom,
@@ -48,15 +54,8 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
     ):
         expose_operator(local_cluster, docs, {"metrics": metrics_port, "reports": report_port})
         start = time.time()
-        code, body = local_cluster.request(
-            "POST",
-            f"/apis/megatron.dev/v1alpha1/namespaces/{namespace}/megatronjobs",
-            make_elastic_job(NAME, pool="obs", train_iters=2000),
-        )
-        assert code == 201, body
-        status = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, NAME)).get("step", 0) >= 5 and s, "step 5", 300, show
-        )
+        submit(local_cluster, namespace, make_elastic_job(NAME, pool="obs", train_iters=2000))
+        status = wait_for_step(local_cluster, namespace, NAME, 5, 300, show)
         victim = status["plan"]["members"][0]["pod"]
         process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
         recovered = wait_for(
@@ -65,23 +64,23 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
                 and s.get("lastRecoveryDurationSeconds") is not None
                 and s
             ),
-            "the recovery",
             180,
-            show,
+            "the recovery",
+            details=show,
         )
         # A few scrapes after the recovery: the recovery histogram and the new members' steps.
         wait_for(
             lambda: prom.query(f'megatron_operator_recovery_seconds_count{{megatronjob="{NAME}"}} > 0'),
-            "Prometheus to scrape the recovery",
             60,
-            show,
+            "Prometheus to scrape the recovery",
+            details=show,
         )
         resume = recovered["plan"]["resumeStep"]
         wait_for(
             lambda: prom.query(f'min(megatron_agent_step{{megatronjob="{NAME}", role="worker"}}) >= {resume + 3}'),
-            "every worker's steps after the recovery in Prometheus",
             120,
-            show,
+            "every worker's steps after the recovery in Prometheus",
+            details=show,
         )
         time.sleep(3)  # three more scrapes, so the range's last evaluation sees the newest samples
         end = time.time()

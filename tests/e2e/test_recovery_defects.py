@@ -23,11 +23,12 @@ import os
 import signal
 import urllib.request
 from collections.abc import Callable, Collection
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import JOBS, dump, job_status, make_elastic_job, wait_for
+from e2e_support import JOBS, dump, job_status, make_elastic_job, process_nodes_fixture, submit, wait_for
 
 from localcluster.cluster import LocalCluster
 from localcluster.nodeagent import NodeAgent
@@ -39,22 +40,13 @@ POOL = "defects"
 REPEAT = range(int(os.environ.get("MEGATRON_E2E_REPEAT", "1")))
 
 
-@pytest.fixture(scope="module")
-def nodes(local_cluster: LocalCluster) -> NodeAgent:
-    return local_cluster.add_process_nodes(6, gpus_per_node=1, prefix=POOL)
+process_nodes = process_nodes_fixture(6, POOL)
 
 
 def _job(name: str, samples: Path, **spec: Any) -> dict[str, Any]:
     spec.setdefault("training", {"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 60, "lr": 0.001, "seed": 7})
     samples.mkdir(parents=True, exist_ok=True)
-    return make_elastic_job(
-        name, pool=POOL, env=[{"name": "MEGATRON_WORKER_SAMPLE_LOG", "value": str(samples)}], **spec
-    )
-
-
-def _submit(cluster: LocalCluster, namespace: str, job: dict[str, Any]) -> None:
-    code, body = cluster.request("POST", JOBS.format(ns=namespace), job)
-    assert code == 201, body
+    return make_elastic_job(name, pool=POOL, samples=samples, **spec)
 
 
 def _events(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
@@ -106,9 +98,9 @@ def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show:
             and s.get("step", 0) >= 5
             and s
         ),
-        f"{name} training at epoch {epoch}",
         300,
-        show,
+        f"{name} training at epoch {epoch}",
+        details=show,
     )
 
 
@@ -117,9 +109,9 @@ def _succeeded_after_one_recovery(
 ) -> dict[str, Any]:
     final: dict[str, Any] = wait_for(
         lambda: (s := job_status(cluster, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
-        "the job to end",
         600,
-        show,
+        "the job to end",
+        details=show,
     )
     assert final["phase"] == "Succeeded", show()
     assert final["recoveries"] == 1, show()
@@ -128,20 +120,19 @@ def _succeeded_after_one_recovery(
 
 @pytest.mark.parametrize("run", REPEAT)
 def test_two_workers_killed_at_once_with_one_spare(
-    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
+    local_cluster: LocalCluster, process_nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
 ) -> None:
     log, samples = tmp_path / "operator.log", tmp_path / "samples"
     job = _job("two", samples, replicas=3, spares=1)
 
-    def show() -> str:
-        return dump(local_cluster, namespace, log)
+    show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log):
-        _submit(local_cluster, namespace, job)
+        submit(local_cluster, namespace, job)
         status = _running(local_cluster, namespace, "two", 1, show)
         a, b, _ = (m["pod"] for m in status["plan"]["members"])
-        nodes.kill_pod_process(namespace, a, signal.SIGKILL)
-        nodes.kill_pod_process(namespace, b, signal.SIGKILL)
+        process_nodes.kill_pod_process(namespace, a, signal.SIGKILL)
+        process_nodes.kill_pod_process(namespace, b, signal.SIGKILL)
         final = _succeeded_after_one_recovery(local_cluster, namespace, "two", show)
         assert final["epoch"] >= 2 and final["committedEpoch"] == final["epoch"], show()
         members = {m["pod"] for m in final["plan"]["members"]}
@@ -151,28 +142,27 @@ def test_two_workers_killed_at_once_with_one_spare(
 
 @pytest.mark.parametrize("run", REPEAT)
 def test_spare_killed_while_it_is_promoted(
-    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
+    local_cluster: LocalCluster, process_nodes: NodeAgent, namespace: str, tmp_path: Path, run: int
 ) -> None:
     log, samples = tmp_path / "operator.log", tmp_path / "samples"
     job = _job("promo", samples, replicas=2, spares=1)
 
-    def show() -> str:
-        return dump(local_cluster, namespace, log)
+    show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log):
-        _submit(local_cluster, namespace, job)
+        submit(local_cluster, namespace, job)
         status = _running(local_cluster, namespace, "promo", 1, show)
         members = [m["pod"] for m in status["plan"]["members"]]
-        nodes.kill_pod_process(namespace, members[0], signal.SIGKILL)
+        process_nodes.kill_pod_process(namespace, members[0], signal.SIGKILL)
         plan = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "promo")).get("epoch", 0) >= 2 and s["plan"],
-            "the replacement plan",
             60,
-            show,
+            "the replacement plan",
+            details=show,
         )
         promoted = [m["pod"] for m in plan["members"] if m["pod"] not in members]
         assert len(promoted) == 1, plan
-        nodes.kill_pod_process(namespace, promoted[0], signal.SIGKILL)  # while the survivors join
+        process_nodes.kill_pod_process(namespace, promoted[0], signal.SIGKILL)  # while the survivors join
         _succeeded_after_one_recovery(local_cluster, namespace, "promo", show)
         _check_samples(samples, 60, 6, show, killed={members[0], promoted[0]})
 
@@ -189,7 +179,7 @@ def _report(url: str, token: str, report: dict[str, Any]) -> int:
 
 
 def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod(
-    local_cluster: LocalCluster, nodes: NodeAgent, namespace: str, tmp_path: Path
+    local_cluster: LocalCluster, process_nodes: NodeAgent, namespace: str, tmp_path: Path
 ) -> None:
     log, samples = tmp_path / "operator.log", tmp_path / "samples"
     job = _job(
@@ -200,11 +190,10 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
         training={"globalBatchSize": 6, "microBatchSize": 1, "trainIters": 400, "lr": 0.001, "seed": 7},
     )
 
-    def show() -> str:
-        return dump(local_cluster, namespace, log)
+    show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log) as url:
-        _submit(local_cluster, namespace, job)
+        submit(local_cluster, namespace, job)
         status = _running(local_cluster, namespace, "calm", 1, show)
         accuser, accused = (m["pod"] for m in status["plan"]["members"])
         code, secret = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/secrets/calm-token")
@@ -226,34 +215,34 @@ def test_an_uncorroborated_peer_report_deletes_nobody_and_partitions_fail_no_pod
         assert code == 200
         wait_for(
             lambda: any(e.get("reason") == "PeerReportIgnored" for e in _events(local_cluster, namespace)),
-            "the report announced as ignored",
             60,
-            show,
+            "the report announced as ignored",
+            details=show,
         )
         step = job_status(local_cluster, namespace, "calm")["step"]
 
         # Every node NotReady at once, the pods still running and reporting.
-        nodes.set_ready(False)
+        process_nodes.set_ready(False)
         try:
             wait_for(
                 lambda: any(e.get("reason") == "NodesNotReadyTogether" for e in _events(local_cluster, namespace)),
-                "the partition announced",
                 60,
-                show,
+                "the partition announced",
+                details=show,
             )
             wait_for(
                 lambda: job_status(local_cluster, namespace, "calm").get("step", 0) >= step + 10,
-                "training to go on while the nodes are NotReady",
                 120,
-                show,
+                "training to go on while the nodes are NotReady",
+                details=show,
             )
         finally:
-            nodes.set_ready(True)
+            process_nodes.set_ready(True)
         final = wait_for(
             lambda: (s := job_status(local_cluster, namespace, "calm")).get("phase") in ("Succeeded", "Failed") and s,
-            "the job to end",
             600,
-            show,
+            "the job to end",
+            details=show,
         )
         assert final["phase"] == "Succeeded" and final["recoveries"] == 0 and final["epoch"] == 1, show()
         assert {m["pod"] for m in final["plan"]["members"]} == {accuser, accused}

@@ -20,8 +20,10 @@ import yaml
 from localcluster.cluster import LocalCluster
 from megatronjob_builders import (
     BAD_JOBS,
+    GOOD_RESOURCES,
     GOOD_TEMPLATE,
     LLAMA_EXAMPLE,
+    LONGEST_NAME,
     PRODUCTION_EXAMPLE,
     BadJob,
     example_job,
@@ -77,11 +79,7 @@ def test_bad_job_is_refused_naming_the_field(local_cluster: LocalCluster, namesp
 def test_quantities_gpus_matching_gpus_per_pod_and_a_63_character_name_are_accepted(
     local_cluster: LocalCluster, namespace: str
 ) -> None:
-    resources = {
-        "requests": {"cpu": "500m", "memory": "16Gi", "ephemeral-storage": "1e3", "nvidia.com/gpu": 2},
-        "limits": {"cpu": 4, "memory": "1.5e10", "nvidia.com/gpu": "2"},
-    }
-    job = with_spec(example_job("n" * 62 + "0"), resources=resources)
+    job = with_spec(example_job(LONGEST_NAME), resources=GOOD_RESOURCES)
     code, out = apply(local_cluster, namespace, job)
     assert code == 0, out
 

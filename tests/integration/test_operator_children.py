@@ -33,9 +33,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_harness import Harness, harness_for_test, wait_for
+from operator_harness import Harness, harness_for_test
 
 from localcluster.operator_run import token_key_file
+from localcluster.waiting import wait_for
 from megatron_contract import wire
 from megatron_operator.builders import ANNOTATION_NEXT_SERIAL
 from megatron_operator.children import BASE_DELAY_SECONDS, REPORT_AFTER

@@ -36,8 +36,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_harness import Harness, JobApi, harness_for_test, wait_for
+from operator_harness import Harness, JobApi, harness_for_test
 
+from localcluster.waiting import wait_for
 from megatron_contract import wire
 
 pytestmark = pytest.mark.cluster

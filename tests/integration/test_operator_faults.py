@@ -22,8 +22,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_harness import Harness, harness_for_test, wait_for
+from operator_harness import Harness, harness_for_test
 from test_operator_cluster import JOB, T, _start
+
+from localcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 

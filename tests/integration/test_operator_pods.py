@@ -28,8 +28,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_harness import Harness, harness_for_test, wait_for
+from operator_harness import Harness, harness_for_test
 
+from localcluster.waiting import wait_for
 from megatron_contract import MegatronJob, wire
 from megatron_operator import builders
 from megatronjob_builders import PRODUCTION_EXAMPLE, example_job

@@ -15,16 +15,10 @@ import pytest
 
 from localcluster import build
 from localcluster.cluster import ClusterError, LocalCluster, port_in_use
+from localcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _wait(cond, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def test_gpu_pod_is_scheduled_and_runs_on_a_fake_node(local_cluster: LocalCluster, namespace: str) -> None:
@@ -44,7 +38,7 @@ def test_gpu_pod_is_scheduled_and_runs_on_a_fake_node(local_cluster: LocalCluste
         _, p = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/gpu-pod")
         return p.get("status", {}).get("phase") == "Running"
 
-    _wait(running)
+    wait_for(running, 30, "the GPU pod to run", interval=0.1)
     _, p = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/gpu-pod")
     assert p["spec"]["nodeName"].startswith("gpu-")
     assert p["status"]["podIP"].startswith("127."), "pod IPs must be on loopback so tests can serve at them"

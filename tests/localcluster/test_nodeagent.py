@@ -24,6 +24,7 @@ from localcluster.nodeagent import (
     NODE_POOL_LABEL,
     NodeAgent,
 )
+from localcluster.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -62,13 +63,16 @@ def make_pod(name: str, script: str) -> dict[str, Any]:
 
 
 def wait_pod(cluster: LocalCluster, ns: str, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    pod: dict[str, Any] = {}
+
+    def in_phase() -> dict[str, Any] | None:
+        nonlocal pod
         code, pod = cluster.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}")
-        if code == 200 and pod["status"].get("phase") == phase:
-            return pod
-        assert time.monotonic() < deadline, f"pod {name} not {phase}: {json.dumps(pod.get('status'))[:800]}"
-        time.sleep(0.1)
+        return pod if code == 200 and pod["status"].get("phase") == phase else None
+
+    return wait_for(
+        in_phase, timeout, f"pod {name} {phase}", interval=0.1, details=lambda: json.dumps(pod.get("status"))[:800]
+    )
 
 
 def create(cluster: LocalCluster, ns: str, obj: dict[str, Any], kind: str) -> None:
@@ -124,21 +128,23 @@ def test_deleting_the_pod_kills_its_process(
     create(local_cluster, namespace, pod, "pods")
     wait_pod(local_cluster, namespace, "doomed", "Running")
     [running] = [p for p in node_agent.pods.values() if p.name == "doomed"]
-    deadline = time.monotonic() + 30
-    while not child_pid.exists() or not child_pid.read_text():
-        assert time.monotonic() < deadline, "the pod did not start its child"
-        time.sleep(0.1)
-    child = int(child_pid.read_text())
+    child = int(wait_for(lambda: child_pid.exists() and child_pid.read_text(), 30, "the pod to start its child"))
     code, _ = local_cluster.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/doomed")
     assert code == 200
-    deadline = time.monotonic() + 30
-    while local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/doomed")[0] != 404:
-        assert time.monotonic() < deadline, "pod not removed after delete"
-        time.sleep(0.1)
+    deleted = time.monotonic()
+    wait_for(
+        lambda: local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/doomed")[0] == 404,
+        30,
+        "the pod removed after delete",
+        interval=0.1,
+    )
     assert running.proc.poll() is not None, "process survived its pod"
-    while _running(child):
-        assert time.monotonic() < deadline, f"the pod's child {child} (a group of its own) survived the pod"
-        time.sleep(0.1)
+    wait_for(
+        lambda: not _running(child),
+        30 - (time.monotonic() - deleted),  # the pod and its child share 30 s from the delete
+        f"the pod's child {child} (a group of its own) to end with the pod",
+        interval=0.1,
+    )
 
 
 def _running(pid: int) -> bool:
@@ -162,14 +168,21 @@ def test_pod_waits_for_its_missing_secret_then_runs(
     local_cluster: LocalCluster, node_agent: NodeAgent, namespace: str
 ) -> None:
     create(local_cluster, namespace, make_pod("patient", "import os; assert os.environ['TOKEN'] == 'late'"), "pods")
-    deadline = time.monotonic() + 30
-    while True:  # Pending with the reason kubelet gives, not Failed
+    pod: dict[str, Any] = {}
+
+    def waiting_container() -> list[Any] | None:  # Pending with the reason kubelet gives, not Failed
+        nonlocal pod
         pod = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/patient")[1]
         waiting = [(cs.get("state") or {}).get("waiting") for cs in pod["status"].get("containerStatuses") or []]
-        if waiting and waiting[0]:
-            break
-        assert time.monotonic() < deadline, f"pod not waiting: {json.dumps(pod['status'])[:800]}"
-        time.sleep(0.1)
+        return waiting if waiting and waiting[0] else None
+
+    waiting = wait_for(
+        waiting_container,
+        30,
+        "the pod to wait",
+        interval=0.1,
+        details=lambda: json.dumps(pod.get("status"))[:800],
+    )
     assert pod["status"]["phase"] == "Pending", pod["status"]
     assert waiting[0]["reason"] == "CreateContainerConfigError" and 'secret "tok" not found' in waiting[0]["message"]
     secret = {

@@ -7,6 +7,7 @@ from typing import Any
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.wire import API_VERSION, KIND, LABEL_JOB, LABEL_POD_INDEX, LABEL_ROLE, ROLE_SPARE, ROLE_WORKER
 from megatron_operator.planner import PodRef
+from megatronjob_builders import small_spec
 
 JOB_UID = "00000000-0000-0000-0000-00000000a1b2"
 
@@ -23,22 +24,18 @@ def make_spec(
     global_batch: int | None = None,
     **extra: Any,
 ) -> MegatronJobSpec:
-    """A valid spec; the global batch defaults to enough micro-batches for every replica."""
-    heads = max(4, tp * 4)
-    return MegatronJobSpec.model_validate(
-        {
-            "image": "trainer:test",
-            "replicas": replicas,
-            "minReplicas": min_replicas,
-            "spares": spares,
-            "tp": tp,
-            "pp": pp,
-            "cp": cp,
-            "gpusPerPod": gpus_per_pod,
-            "model": {"numLayers": 2 * pp, "hiddenSize": heads * 16, "numAttentionHeads": heads},
-            "training": {"globalBatchSize": global_batch or max(16, replicas * 2), "microBatchSize": 1},
-            **extra,
-        }
+    """The operator's small spec (:func:`megatronjob_builders.small_spec`); the global batch
+    defaults to enough micro-batches for every replica."""
+    return small_spec(
+        replicas=replicas,
+        min_replicas=min_replicas,
+        spares=spares,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        gpus_per_pod=gpus_per_pod,
+        training={"global_batch_size": global_batch or max(16, replicas * 2)},
+        **extra,
     )
 
 

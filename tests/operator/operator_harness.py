@@ -26,15 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 from operator_factories import make_job
 
 from localcluster.operator_run import token_key_file
+from localcluster.waiting import wait_for
 from megatron_contract import wire
 
-T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 PYTHONPATH = os.pathsep.join(str(REPO / p) for p in ("contract", "operator", "trainer", "localcluster"))
 JOBS = f"/apis/{wire.GROUP}/{wire.VERSION}"
@@ -47,18 +47,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def wait_for[T](check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})"[:4000])
 
 
 class OperatorProcess:

@@ -1,6 +1,6 @@
 """Benchmark of the agent's own latencies (stand-in workers, so only the agent is measured).
 
-Run: ``PYTHONPATH=contract:operator:trainer:localcluster python tests/trainer/agent_benchmark.py``
+Run: ``PYTHONPATH=contract:operator:trainer:localcluster:tests python tests/trainer/agent_benchmark.py``
 
 Prints, over several trials:
 - startup: agent process start -> control port answering, and -> every worker said Hello;

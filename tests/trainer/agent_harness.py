@@ -22,9 +22,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from localcluster import waiting
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
 from megatron_contract.job import MegatronJobSpec
@@ -38,6 +40,7 @@ from megatron_contract.mesh import (
     StateSource,
     StateSourceKind,
 )
+from megatronjob_builders import small_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -47,21 +50,8 @@ TOKEN = "test-token-" + "x" * 24
 SOURCE_ROOTS = ["contract", "operator", "trainer", "localcluster"]
 
 
-def wait_for[T](condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``condition`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-            if value:
-                return value
-        except (OSError, urllib.error.URLError, KeyError, ValueError) as err:
-            last_error = err
-        time.sleep(interval)
-    raise AssertionError(
-        f"timed out after {timeout:g}s waiting for {what}" + (f" (last error: {last_error})" if last_error else "")
-    )
+# An agent that is not up yet refuses connections or answers half a state: that is "not yet".
+wait_for = partial(waiting.wait_for, error=AssertionError, retry_on=(OSError, KeyError, ValueError))
 
 
 def make_spec(
@@ -76,30 +66,20 @@ def make_spec(
     heartbeat_interval: float = 0.2,
     **extra: Any,
 ) -> MegatronJobSpec:
-    """A small valid spec (tiny model, CPU-sized)."""
-    heads = 4 * tp
-    return MegatronJobSpec.model_validate(
-        {
-            "image": "trainer:test",
-            "replicas": replicas,
-            "spares": spares,
-            "tp": tp,
-            "gpusPerPod": gpus_per_pod,
-            "model": {
-                "numLayers": 2,
-                "hiddenSize": heads * 8,
-                "numAttentionHeads": heads,
-                "seqLength": 16,
-                "vocabSize": 128,
-            },
-            "training": {"globalBatchSize": global_batch, "microBatchSize": 1, "trainIters": train_iters},
-            "failureDetection": {
-                "heartbeatIntervalSeconds": heartbeat_interval,
-                "heartbeatTimeoutSeconds": max(10 * heartbeat_interval, 1.0),
-                "collectiveTimeoutSeconds": collective_timeout,
-            },
-            **extra,
-        }
+    """The agents' small spec (:func:`megatronjob_builders.small_spec`), with fast heartbeats and
+    training that lasts until the test stops it."""
+    return small_spec(
+        replicas=replicas,
+        spares=spares,
+        tp=tp,
+        gpus_per_pod=gpus_per_pod,
+        training={"global_batch_size": global_batch, "train_iters": train_iters},
+        failure_detection={
+            "heartbeat_interval_seconds": heartbeat_interval,
+            "heartbeat_timeout_seconds": max(10 * heartbeat_interval, 1.0),
+            "collective_timeout_seconds": collective_timeout,
+        },
+        **extra,
     )
 
 
@@ -233,6 +213,7 @@ class AgentProcess:
             env["MEGATRON_WORKER_COMMAND"] = json.dumps(list(worker_command))
         env.update(extra_env or {})
         self._log = self.log_path.open("wb")
+        self._terminated = False
         self.process = subprocess.Popen(
             [PYTHON, "-m", "megatron_trainer.agent"], env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
         )
@@ -283,15 +264,20 @@ class AgentProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def terminate(self) -> None:
+        """SIGTERM once, without waiting: the agent shuts down while the caller goes on."""
+        if self.process.poll() is None and not self._terminated:
+            self.process.send_signal(signal.SIGTERM)
+        self._terminated = True
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM and wait; SIGKILL the agent if it does not end (its workers see EOF and exit)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        self.terminate()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
         self._log.close()
         return self.process.returncode
 

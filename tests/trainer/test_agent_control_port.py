@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from agent_harness import TOKEN, AgentProcess, PodAddress, make_plan, make_spec, running_agents
+from agent_harness import TOKEN, AgentProcess, PodAddress, make_plan, make_spec
 
 from megatron_contract import wire
 
@@ -29,12 +29,60 @@ SPEC = make_spec(replicas=2)
 OTHER = PodAddress("pod-other", "127.0.0.9")
 
 
+class FreshAgents:
+    """Hands each test an agent that no other test touched (spare, epoch 0), so no test depends on
+    what another left behind. The next agent starts while a test runs and a used one shuts down in
+    the background, so a fresh agent per test costs little time."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._started: list[AgentProcess] = []
+        self._next = self._start()
+
+    def _start(self) -> AgentProcess:
+        process = AgentProcess("pod-a", SPEC, self._tmp.mktemp("agent"))
+        self._started.append(process)
+        return process
+
+    def take(self) -> AgentProcess:
+        """A ready agent of its own; the one after it starts now."""
+        process, self._next = self._next, self._start()
+        try:
+            process.wait_ready()
+        except AssertionError:
+            print(f"===== log of {process.pod.name} ({process.pod.address}) =====\n{process.log()[-20000:]}")
+            raise
+        return process
+
+    def close(self) -> None:
+        """Stop every agent started (used ones are already shutting down)."""
+        for process in self._started:
+            process.terminate()
+        for process in self._started:
+            process.stop()
+
+
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    process = AgentProcess("pod-a", SPEC, tmp_path_factory.mktemp("agent"))
-    with running_agents([process]):
-        process.wait_ready()
-        yield process
+def fresh_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FreshAgents]:
+    agents = FreshAgents(tmp_path_factory)
+    yield agents
+    agents.close()
+
+
+@pytest.fixture
+def agent(fresh_agents: FreshAgents) -> Iterator[AgentProcess]:
+    """A fresh agent for each test: the test drives it to the state it needs."""
+    process = fresh_agents.take()
+    yield process
+    process.terminate()
+
+
+def start_training(agent: AgentProcess, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Push a plan of ``epoch`` naming the pod; (the agent's answer, its state once steps show)."""
+    status, answer = agent.post_plan(make_plan(SPEC, [agent.pod, OTHER], epoch=epoch))
+    assert status == 200, answer
+    state = agent.wait_state(lambda s: s["state"] == "training" and s.get("step", 0) >= 3, 15, "training steps")
+    return answer, state
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:
@@ -128,11 +176,9 @@ def test_refused_plans_change_nothing_while_spare(agent: AgentProcess) -> None:
 
 
 def test_good_plan_is_forwarded_and_training_shows(agent: AgentProcess) -> None:
-    epoch = agent.state()["epoch"] + 2  # epochs may skip (the pod missed one); only "newer" matters
-    status, answer = agent.post_plan(make_plan(SPEC, [agent.pod, OTHER], epoch=epoch))
-    assert status == 200, answer
+    epoch = 2  # epochs may skip (the pod missed one); only "newer" matters
+    answer, state = start_training(agent, epoch)
     assert answer["epoch"] == epoch and answer["member"] is True
-    state = agent.wait_state(lambda s: s["state"] == "training" and s.get("step", 0) >= 3, 15, "training steps")
     assert (state["epoch"], state["ranks"], state["workers"][0]["rank"]) == (epoch, [0], 0)
     assert state["consumedSamples"] == state["step"] * SPEC.training.global_batch_size
     metrics = agent.metrics()
@@ -142,7 +188,7 @@ def test_good_plan_is_forwarded_and_training_shows(agent: AgentProcess) -> None:
 
 
 def test_refused_plans_change_nothing_while_training(agent: AgentProcess) -> None:
-    before = agent.wait_state(lambda s: s["state"] == "training", 15, "training")
+    _, before = start_training(agent, epoch=2)  # refusals of stale epochs 1 and 2 then
     check_refusals_change_nothing(agent)
     # Had any refused plan reached the worker, it would have left training (they leave the pod out).
     after = agent.wait_state(lambda s: s.get("step", 0) > before["step"] + 3, 15, "steps after the refusals")
@@ -150,7 +196,8 @@ def test_refused_plans_change_nothing_while_training(agent: AgentProcess) -> Non
 
 
 def test_newer_plan_without_the_pod_makes_it_a_spare(agent: AgentProcess) -> None:
-    epoch = agent.state()["epoch"] + 1
+    start_training(agent, epoch=1)
+    epoch = 2
     plan = make_plan(SPEC, [OTHER, PodAddress("pod-x", "127.0.0.10")], epoch=epoch)
     status, answer = agent.post_plan(plan)
     assert (status, answer["member"]) == (200, False)

@@ -20,12 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from localcluster import waiting
 from megatron_contract import wire
-from megatron_contract.job import FailureDetectionSpec, MegatronJobSpec, ModelSpec, TrainingSpec
+from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import (
     BatchGeometry,
     MeshPlan,
@@ -48,21 +50,14 @@ from megatron_trainer.channel import (
     ToAgent,
     WorkerStatus,
 )
+from megatronjob_builders import small_spec
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_UID = "00000000-0000-0000-0000-00000000f00d"
 
 
-def wait_for[T](condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
-    """Poll ``condition`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+# Steps of the tiny models take tens of milliseconds: poll often enough to see each one.
+wait_for = partial(waiting.wait_for, interval=0.02)
 
 
 def make_spec(
@@ -78,34 +73,30 @@ def make_spec(
     detection: dict[str, Any] | None = None,
     **model: Any,
 ) -> MegatronJobSpec:
-    """A small job: a 2-layer GPT that trains in a fraction of a second per step on CPU (unless
-    ``model`` names a preset).
+    """The workers' small job (:func:`megatronjob_builders.small_spec`: a tiny GPT unless ``model``
+    names a preset), with a fixed seed and learning rate.
     ``training`` adds TrainingSpec fields (optimizer, lrSchedule, ...); ``detection``
     FailureDetectionSpec fields (hang_detection_step_multiple, ...); ``model`` ModelSpec fields."""
-    tiny = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
-    model_args = {**({} if model.get("preset") else tiny), **model}  # a preset brings its own shape
-    return MegatronJobSpec(
-        image="local",
+    return small_spec(
         replicas=replicas,
         min_replicas=min_replicas,
         spares=spares,
         tp=tp,
         gpus_per_pod=gpus_per_pod,
-        model=ModelSpec(**model_args),
-        training=TrainingSpec(
-            global_batch_size=global_batch_size,
-            micro_batch_size=1,
-            train_iters=train_iters,
-            lr=1e-3,
-            seed=1234,
+        model=model,
+        training={
+            "global_batch_size": global_batch_size,
+            "train_iters": train_iters,
+            "lr": 1e-3,
+            "seed": 1234,
             **(training or {}),
-        ),
-        failure_detection=FailureDetectionSpec(
-            heartbeat_interval_seconds=1.0,
-            heartbeat_timeout_seconds=5.0,
-            collective_timeout_seconds=collective_timeout,
+        },
+        failure_detection={
+            "heartbeat_interval_seconds": 1.0,
+            "heartbeat_timeout_seconds": 5.0,
+            "collective_timeout_seconds": collective_timeout,
             **(detection or {}),
-        ),
+        },
     )
 
 

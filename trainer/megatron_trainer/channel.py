@@ -46,11 +46,14 @@ class Hello(WireModel):
     pid: int
 
 
+WireWorkerState = Literal["spare", "training", "reconfiguring", "succeeded", "failed"]
+
+
 class WorkerStatus(WireModel):
     """Lifecycle change: spare, training, reconfiguring, succeeded, failed."""
 
     type: Literal["status"] = "status"
-    state: Literal["spare", "training", "reconfiguring", "succeeded", "failed"]
+    state: WireWorkerState
     epoch: int = 0
     detail: str = ""
 

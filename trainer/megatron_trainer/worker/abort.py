@@ -29,9 +29,14 @@ import socket
 import stat
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    # What ProcessGroup._get_backend returns: the C++ communicator, not dist.Backend (a name).
+    from torch._C._distributed_c10d import Backend as Communicator
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ _current: tuple[dist.ProcessGroup, Abort] | None = None  # (world group, its abo
 class Abort:
     """The aborts of one epoch's NCCL communicators, running concurrently on daemon threads."""
 
-    def __init__(self, backends: list[object]) -> None:
+    def __init__(self, backends: list[Communicator]) -> None:
         self.started = time.monotonic()
         self.finished: float | None = None
         self._threads = [
@@ -78,8 +83,8 @@ def _all_groups() -> list[dist.ProcessGroup]:
     return list(dist.distributed_c10d._world.pg_map.keys())
 
 
-def _nccl_backends() -> list[object]:
-    backends = []
+def _nccl_backends() -> list[Communicator]:
+    backends: list[Communicator] = []
     for pg in _all_groups():
         try:
             backend = pg._get_backend(torch.device("cuda"))
@@ -194,8 +199,8 @@ def close_gloo_connections() -> int:
     return closed
 
 
-def _abort_one(backend: object) -> None:
+def _abort_one(backend: Communicator) -> None:
     try:
-        backend.abort()  # type: ignore[attr-defined]
+        backend.abort()
     except Exception as err:  # an already-aborted or never-initialized communicator
         log.debug("abort: %s", err)

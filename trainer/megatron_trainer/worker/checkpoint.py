@@ -309,9 +309,9 @@ class CheckpointSaver:
             log.error("%s", outcome.failed[-1][1])
             return
         total = time.perf_counter() - flight.started
-        blocking = flight.blocking if self.asynchronous else total
-        outcome.completed.append(Completed(flight.step, blocking, total, flight.phases))
-        log.info("checkpoint of step %d complete in %.2fs (training held %.3fs)", flight.step, total, blocking)
+        held = flight.blocking if self.asynchronous else total
+        outcome.completed.append(Completed(flight.step, held, total, flight.phases))
+        log.info("checkpoint of step %d complete in %.2fs (training held %.3fs)", flight.step, total, held)
 
     def _publish(self, flight: _InFlight) -> str:
         header = {
@@ -432,7 +432,7 @@ def _tolerate_adam_step_state() -> None:
         original(self, model_param, _AbsentIsNone(tensors))
 
     patched.tolerates_absent_state = True  # type: ignore[attr-defined]
-    DistributedOptimizer._set_main_param_and_optimizer_states = patched  # type: ignore[method-assign]
+    DistributedOptimizer._set_main_param_and_optimizer_states = patched
 
 
 def _unshare_adam_steps(ts: TrainState) -> None:

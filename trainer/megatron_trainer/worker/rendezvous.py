@@ -166,7 +166,7 @@ def join_epoch(
         pipeline_model_parallel_size=plan.sizes.pp,
         context_parallel_size=plan.sizes.cp,
         create_gloo_process_groups=False,
-        distributed_timeout_minutes=timeout.total_seconds() / 60.0,  # type: ignore[arg-type]
+        distributed_timeout_minutes=timeout.total_seconds() / 60.0,  # declared int; used as timedelta(minutes=)
     )
     if parallel_state.get_data_parallel_world_size() != plan.sizes.dp:
         built = parallel_state.get_data_parallel_world_size()

@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from megatron_trainer.channel import (
     Progress,
     Shutdown,
     WireModel,
+    WireWorkerState,
     WorkerStatus,
 )
 from megatron_trainer.faults import FaultPlan, InjectedFault, InjectionPoint
@@ -82,6 +84,15 @@ ABORT_GRACE_SECONDS = 0.5
 WATCHDOG_TICK_SECONDS = 0.05
 #: How often a training worker tells its agent it is alive (a stopped process cannot).
 ALIVE_SECONDS = 0.25
+# What the agent hears of each state: waiting is reconfiguring to it; starting is not reported.
+_WIRE_STATE: dict[WorkerState, WireWorkerState] = {
+    WorkerState.SPARE: "spare",
+    WorkerState.RECONFIGURING: "reconfiguring",
+    WorkerState.WAITING: "reconfiguring",
+    WorkerState.TRAINING: "training",
+    WorkerState.SUCCEEDED: "succeeded",
+    WorkerState.FAILED: "failed",
+}
 #: Worker states in which the watchdog tells the agent it is alive.
 _SAYS_ALIVE = frozenset({WorkerState.SPARE, WorkerState.RECONFIGURING, WorkerState.TRAINING, WorkerState.WAITING})
 
@@ -156,9 +167,9 @@ class Worker:
     def _move(self, target: WorkerState, detail: str = "", epoch: int | None = None) -> None:
         self.state = check_transition(self.state, target)
         epoch = self.epoch if epoch is None else epoch
-        wire_state = {WorkerState.WAITING: "reconfiguring"}.get(target, target.value)
-        if wire_state in ("spare", "training", "reconfiguring", "succeeded", "failed"):
-            self.send(WorkerStatus(state=wire_state, epoch=epoch, detail=detail))  # type: ignore[arg-type]
+        wire_state = _WIRE_STATE.get(target)
+        if wire_state is not None:
+            self.send(WorkerStatus(state=wire_state, epoch=epoch, detail=detail))
         log.info("state %s (epoch %d) %s", target.value, epoch, detail)
 
     # -- channel reader thread -----------------------------------------------------------------
@@ -510,12 +521,12 @@ class Worker:
                     plan.batch,
                     dp_rank,
                     self.device,
-                    lambda s=step_index: self.faults.maybe_fire(plan.epoch, self.rank, s),
+                    partial(self.faults.maybe_fire, plan.epoch, self.rank, step_index),
                     aborted=self._aborted.is_set,
-                    data_hook=lambda s=step_index: self.faults.maybe_fire(
-                        plan.epoch, self.rank, s, InjectionPoint.DATA_READ
+                    data_hook=partial(
+                        self.faults.maybe_fire, plan.epoch, self.rank, step_index, InjectionPoint.DATA_READ
                     ),
-                    data_read=lambda s=step_index: self._marks.begin(Phase.STEP, s),
+                    data_read=partial(self._marks.begin, Phase.STEP, step_index),
                 )
             except InjectedFault:
                 raise
@@ -587,8 +598,8 @@ class Worker:
                 host = next((m.pod for m in plan.members if m.address == plan.rendezvous.host), None)
                 suspects.append((None, host))
             pod_of = plan.pod_of_rank()
-            for pod in dict.fromkeys(pod_of[r] for r in err.missing if r in pod_of):
-                suspects.append((None, pod))
+            for absent in dict.fromkeys(pod_of[r] for r in err.missing if r in pod_of):
+                suspects.append((None, absent))
         for rank, pod in suspects[:8] or [(None, None)]:
             self.send(CollectiveFailed(epoch=plan.epoch, peer_rank=rank, peer_pod=pod, reason=str(err)[:1000]))
         self._move(WorkerState.WAITING, str(err)[:200], epoch=plan.epoch)
