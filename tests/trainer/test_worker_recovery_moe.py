@@ -1,16 +1,16 @@
 """A mixture-of-experts model (megatron-core's MoE layers on the local layer spec: SequentialMLP
-experts, top-2 routing, a load-balancing loss, the all-to-all token dispatcher) with its experts
-split over expert-parallel ranks, recovering in real worker processes on CPU/gloo. Scenario:
+experts, top-2 routing, a load-balancing loss) with its experts split over expert-parallel ranks,
+recovering in real worker processes on CPU/gloo. Scenarios:
 
-- DP=4 with ep=2 (two pods of two ranks; each DP rank holds 2 of the 4 experts of every layer,
-  each expert shard is held by two DP ranks) and a spare pod: SIGKILL of one worker of pod a, the
-  spare takes pod a's ranks and each of its ranks receives weights, Adam state, the step and the
-  scheduler's state from the peer of pod b that holds the same experts; every step's loss equals
-  the failure-free run bit for bit;
-- DP=2 with ep=2 (every DP rank holds experts no other rank holds) and a spare: SIGKILL of one
-  worker loses experts that no peer holds, so every rank (survivor and spare) restores model,
-  optimizer and scheduler from the newest distributed checkpoint; every loss equals the
-  failure-free run bit for bit.
+- DP=4 with ep=2 and the all-to-all dispatcher (two pods of two ranks; each DP rank holds 2 of the
+  4 experts of every layer, each share of experts is held by two DP ranks) and a spare pod: SIGKILL
+  of one worker of pod a, the spare takes pod a's ranks and each of its ranks receives weights,
+  Adam state, the step and the scheduler's state from the peer of pod b that holds the same
+  experts; every step's loss equals the failure-free run bit for bit;
+- DP=2 with ep=2 and the all-gather dispatcher (every DP rank holds experts no other rank holds)
+  and a spare: SIGKILL of one worker loses experts that no peer holds, so every rank (survivor and
+  spare) restores model, optimizer and scheduler from the newest distributed checkpoint; every
+  loss equals the failure-free run bit for bit.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ MOE: dict[str, Any] = {
 }
 
 
-def moe_spec(replicas: int = 4, gpus_per_pod: int = 2, checkpoint: Path | None = None) -> MegatronJobSpec:
+def moe_spec(
+    replicas: int = 4, gpus_per_pod: int = 2, checkpoint: Path | None = None, dispatcher: str = "alltoall"
+) -> MegatronJobSpec:
     spec = make_spec(
         replicas=replicas,
         min_replicas=2,
@@ -51,6 +53,7 @@ def moe_spec(replicas: int = 4, gpus_per_pod: int = 2, checkpoint: Path | None =
         tp=1,
         gpus_per_pod=gpus_per_pod,
         train_iters=TRAIN_ITERS,
+        moe_token_dispatcher_type=dispatcher,
         **MOE,
     )
     wire = {**spec.to_wire(), "ep": 2}
@@ -120,9 +123,9 @@ def test_moe_experts_held_by_one_rank_restore_from_checkpoint_bitwise(
     tmp_path: Path, make_cluster: list[WorkerCluster]
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    spec = moe_spec(replicas=2, gpus_per_pod=1, checkpoint=ckpt)
+    spec = moe_spec(replicas=2, gpus_per_pod=1, checkpoint=ckpt, dispatcher="allgather")
     expected = reference_losses(
-        moe_spec(replicas=2, gpus_per_pod=1, checkpoint=tmp_path / "reference-ckpt"),
+        moe_spec(replicas=2, gpus_per_pod=1, checkpoint=tmp_path / "reference-ckpt", dispatcher="allgather"),
         tmp_path / "reference",
         make_cluster,
     )
