@@ -203,6 +203,11 @@ BAD_JOBS: tuple[BadJob, ...] = (
         "spec.replicas and spec.minReplicas must be multiples of spec.ep",
     ),
     BadJob(
+        "expert-size-not-divisible-by-tp",
+        {**MOE_TP2, "model.moeFfnHiddenSize": 1023},
+        "spec.model.moeFfnHiddenSize must be a multiple of spec.tp",
+    ),
+    BadJob(
         "experts-with-tp-without-sequence-parallel",  # the example has tp 2
         {**MOE_TP2, "model.sequenceParallel": DELETE},
         "spec.model.numExperts with spec.tp > 1 needs spec.model.sequenceParallel",

@@ -496,6 +496,11 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda s: s.replicas % s.ep == 0 and s.min_replicas % s.ep == 0,
     ),
     SpecRule(
+        "!has(self.model.moeFfnHiddenSize) || self.model.moeFfnHiddenSize % self.tp == 0",
+        "spec.model.moeFfnHiddenSize must be a multiple of spec.tp (experts are split over tp like the MLP)",
+        lambda s: s.model.moe_ffn_hidden_size is None or s.model.moe_ffn_hidden_size % s.tp == 0,
+    ),
+    SpecRule(
         "!has(self.model.numExperts) || self.tp == 1 || "
         "(has(self.model.sequenceParallel) && self.model.sequenceParallel)",
         "spec.model.numExperts with spec.tp > 1 needs spec.model.sequenceParallel (megatron-core's rule for MoE)",
