@@ -15,6 +15,7 @@ from megatron_contract.job import MegatronJobSpec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
 LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
+MOE_EXAMPLE = EXAMPLE.with_name("megatronjob-moe.yaml")
 PRODUCTION_EXAMPLE = EXAMPLE.with_name("production-job.yaml")
 
 
@@ -89,6 +90,8 @@ GOOD_RESOURCES = {
 }
 #: The longest name a MegatronJob may have (63 characters: its pods' names and labels derive from it).
 LONGEST_NAME = "n" * 62 + "0"
+#: A valid mixture of experts for the example (tp 2: megatron-core needs sequence parallelism).
+MOE_TP2: dict[str, Any] = {"model.numExperts": 8, "model.addBiasLinear": False, "model.sequenceParallel": True}
 
 #: Spec changes the rules of spec.template accept (the example has gpusPerPod 2): the trainer's GPUs
 #: equal to gpusPerPod as a number and as a string, an RDMA device, a port of its own, a sidecar with
@@ -234,6 +237,37 @@ BAD_JOBS: tuple[BadJob, ...] = (
         {"model.numExperts": 4},
         "spec.model.numExperts needs moeRouterTopk <= numExperts and addBiasLinear false",
     ),
+    BadJob(
+        "expert-parallel-without-experts",
+        {"ep": 2},
+        "spec.ep must divide spec.model.numExperts",
+    ),
+    BadJob(
+        "expert-parallel-not-dividing-experts",
+        {"ep": 4, "minReplicas": 4, **MOE_TP2, "model.numExperts": 6},
+        "spec.ep must divide spec.model.numExperts",
+    ),
+    BadJob(
+        "min-replicas-not-a-multiple-of-ep",  # the example's minReplicas is 2
+        {"ep": 4, **MOE_TP2},
+        "spec.replicas and spec.minReplicas must be multiples of spec.ep",
+    ),
+    BadJob(
+        "expert-size-not-divisible-by-tp",
+        {**MOE_TP2, "model.moeFfnHiddenSize": 1023},
+        "spec.model.moeFfnHiddenSize must be a multiple of spec.tp",
+    ),
+    BadJob(
+        "experts-with-tp-without-sequence-parallel",  # the example has tp 2
+        {**MOE_TP2, "model.sequenceParallel": DELETE},
+        "spec.model.numExperts with spec.tp > 1 needs spec.model.sequenceParallel",
+    ),
+    BadJob(
+        "unknown-token-dispatcher",
+        {**MOE_TP2, "model.moeTokenDispatcherType": "flex"},
+        "spec.model.moeTokenDispatcherType",
+    ),
+    BadJob("negative-aux-loss-coeff", {**MOE_TP2, "model.moeAuxLossCoeff": -0.01}, "spec.model.moeAuxLossCoeff"),
     BadJob("provider-not-an-import-reference", {"model.modelProvider": "my model"}, "spec.model.modelProvider"),
     BadJob("adam-beta-of-one", {"training.optimizer.adamBeta2": 1.0}, "spec.training.optimizer.adamBeta2"),
     BadJob("negative-weight-decay", {"training.optimizer.weightDecay": -0.1}, "spec.training.optimizer.weightDecay"),

@@ -40,6 +40,13 @@ class Normalization(enum.StrEnum):
     RMS_NORM = "RMSNorm"
 
 
+class MoeTokenDispatcher(enum.StrEnum):
+    """How megatron-core's MoE layers move tokens to the expert-parallel ranks holding their experts."""
+
+    ALLTOALL = "alltoall"
+    ALLGATHER = "allgather"
+
+
 class PositionEmbedding(enum.StrEnum):
     """Position embedding: learned absolute, or rotary (RoPE)."""
 
@@ -118,6 +125,13 @@ class ModelSpec(WireModel):
     moe_router_topk: int = Field(default=2, ge=1, le=64, description="Experts each token is routed to.")
     moe_ffn_hidden_size: int | None = Field(
         default=None, ge=1, le=1048576, description="Hidden size of one expert; ffnHiddenSize when unset."
+    )
+    moe_aux_loss_coeff: float = Field(
+        default=0.0, ge=0, le=10, description="Weight of the router's load-balancing loss (0: none)."
+    )
+    moe_token_dispatcher_type: MoeTokenDispatcher = Field(
+        default=MoeTokenDispatcher.ALLTOALL,
+        description="How tokens reach the ranks of their experts: alltoall or allgather.",
     )
 
     model_config = ConfigDict(json_schema_extra=lambda schema: _drop_property_defaults(schema))
@@ -471,6 +485,28 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         ),
     ),
     SpecRule(
+        "self.ep == 1 || (has(self.model.numExperts) && self.model.numExperts % self.ep == 0)",
+        "spec.ep must divide spec.model.numExperts (each expert-parallel rank holds numExperts/ep experts)",
+        lambda s: s.ep == 1 or (s.model.num_experts is not None and s.model.num_experts % s.ep == 0),
+    ),
+    SpecRule(
+        "self.replicas % self.ep == 0 && self.minReplicas % self.ep == 0",
+        "spec.replicas and spec.minReplicas must be multiples of spec.ep "
+        "(expert-parallel groups are made of data-parallel replicas)",
+        lambda s: s.replicas % s.ep == 0 and s.min_replicas % s.ep == 0,
+    ),
+    SpecRule(
+        "!has(self.model.moeFfnHiddenSize) || self.model.moeFfnHiddenSize % self.tp == 0",
+        "spec.model.moeFfnHiddenSize must be a multiple of spec.tp (experts are split over tp like the MLP)",
+        lambda s: s.model.moe_ffn_hidden_size is None or s.model.moe_ffn_hidden_size % s.tp == 0,
+    ),
+    SpecRule(
+        "!has(self.model.numExperts) || self.tp == 1 || "
+        "(has(self.model.sequenceParallel) && self.model.sequenceParallel)",
+        "spec.model.numExperts with spec.tp > 1 needs spec.model.sequenceParallel (megatron-core's rule for MoE)",
+        lambda s: s.model.num_experts is None or s.tp == 1 or s.model.sequence_parallel,
+    ),
+    SpecRule(
         "!has(self.model.sequenceParallel) || !self.model.sequenceParallel || self.tp > 1",
         "spec.model.sequenceParallel needs spec.tp > 1",
         lambda s: not s.model.sequence_parallel or s.tp > 1,
@@ -555,6 +591,14 @@ class MegatronJobSpec(WireModel):
     tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel size.", json_schema_extra=_immutable("tp"))
     pp: int = Field(default=1, ge=1, le=256, description="Pipeline-parallel size.", json_schema_extra=_immutable("pp"))
     cp: int = Field(default=1, ge=1, le=64, description="Context-parallel size.", json_schema_extra=_immutable("cp"))
+    ep: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Expert-parallel size (mixture of experts): each expert layer's experts are split over ep "
+        "data-parallel replicas; replicas and minReplicas are multiples of it.",
+        json_schema_extra=_immutable("ep"),
+    )
     gpus_per_pod: int = Field(
         default=1, ge=1, le=16, description="GPUs (ranks) per pod.", json_schema_extra=_immutable("gpusPerPod")
     )

@@ -4,9 +4,15 @@ Rank order follows Megatron's default (tp fastest, then cp, dp, pp)::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-A plan is checked whole when it is parsed: ranks unique and dense, world = tp·pp·cp·dp, each
-tensor-parallel group inside one pod, batch geometry adding up to the global batch, and every
-rank's state source pointing at a rank that really holds that state. Operator and trainer parse
+Expert parallelism (mixture of experts) lies inside data parallelism, as in Megatron: the ``ep``
+replicas of one expert-parallel group each hold ``numExperts/ep`` of every expert layer's experts,
+so two ranks hold the same state only when their tp/cp/pp coordinates *and* expert-parallel ranks
+agree (:meth:`MeshSizes.shard_key`).
+
+A plan is checked whole when it is parsed: ranks unique and dense, world = tp·pp·cp·dp, ep
+dividing dp, each tensor-parallel group inside one pod, batch geometry adding up to the global
+batch, and every rank's state source pointing at a rank that really holds that state (the same
+shard). Operator and trainer parse
 the same model, so neither can act on a plan the other would call invalid.
 """
 
@@ -52,11 +58,14 @@ class MeshSizes(OpenWireModel):
     pp: int = Field(ge=1, description="Pipeline-parallel size.")
     cp: int = Field(ge=1, description="Context-parallel size.")
     dp: int = Field(ge=1, description="Data-parallel size (number of model replicas).")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel size: experts split over ep replicas; divides dp.")
 
     @model_validator(mode="after")
     def _world_is_product(self) -> MeshSizes:
         if self.world != self.tp * self.pp * self.cp * self.dp:
             raise MeshError(f"world {self.world} != tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp}")
+        if self.dp % self.ep:
+            raise MeshError(f"dp {self.dp} is not a multiple of ep {self.ep}")
         return self
 
     @property
@@ -70,6 +79,18 @@ class MeshSizes(OpenWireModel):
             if not 0 <= getattr(coords, name) < getattr(self, name):
                 raise MeshError(f"{name} coordinate {getattr(coords, name)} outside 0..{getattr(self, name) - 1}")
         return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))
+
+    def expert_rank(self, coords: MeshCoords) -> int:
+        """Expert-parallel rank of the given coordinates. Megatron orders the expert mesh tp-ep-dp-pp
+        over the same ranks (expert tp = tp, no cp), so the expert-parallel rank is the position
+        in the cp-dp block modulo ep."""
+        return (coords.cp + self.cp * coords.dp) % self.ep
+
+    def shard_key(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp, cp, pp, expert rank): ranks sharing it hold the same state (the expert layers' share
+        of experts included), so one can restore another."""
+        coords = self.coords_of(rank)
+        return (*coords.model_parallel_key(), self.expert_rank(coords))
 
     def coords_of(self, rank: int) -> MeshCoords:
         """Coordinates of a global rank; inverse of :meth:`rank_of`."""
@@ -245,8 +266,7 @@ class MeshPlan(OpenWireModel):
                     raise MeshError(
                         f"rank {src.rank}: peer {src.peer_rank} does not hold its state (it is {peer.kind.value})"
                     )
-                mine, theirs = self.sizes.coords_of(src.rank), self.sizes.coords_of(src.peer_rank)
-                if mine.model_parallel_key() != theirs.model_parallel_key():
+                if self.sizes.shard_key(src.rank) != self.sizes.shard_key(src.peer_rank):
                     raise MeshError(f"rank {src.rank}: peer {src.peer_rank} holds another model shard")
             elif src.kind is StateSourceKind.CHECKPOINT and src.checkpoint_step is None:
                 raise MeshError(f"rank {src.rank}: checkpoint source without checkpointStep")

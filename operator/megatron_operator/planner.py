@@ -12,11 +12,14 @@ Policy, in order (docs/architecture.md):
    outside the failed pod's failure domain (its rack or zone, then its node) first;
 2. with spares exhausted, damaged units are dropped whole and their healthy pods go back to the
    pool, where they may repair another damaged unit;
-3. never below ``minReplicas``: then there is no plan and the job waits (Degraded);
+3. never below ``minReplicas``: then there is no plan and the job waits (Degraded); with experts
+   split over ``ep`` replicas, the data-parallel size stays a multiple of ``ep`` (a shrink drops
+   whole expert-parallel groups, a growth adds them);
 4. with pods to spare and fewer than ``replicas`` replicas, the mesh grows back.
 
-A pod keeps its state (``self``) when it stays in the mesh at the same model-parallel position;
-every other rank receives it from a data-parallel peer at the same position that keeps its own,
+A pod keeps its state (``self``) when it stays in the mesh at the same model-parallel position
+(and expert-parallel rank: :meth:`MeshSizes.shard_key`); every other rank receives it from a
+data-parallel peer at the same position that keeps its own,
 or, when no replica holds that shard any more, every rank reloads the newest checkpoint (or, with
 no checkpoint configured, training starts over from the seed).
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 
@@ -98,14 +102,21 @@ class UnitShape:
     replicas_per_unit: int
     gpus_per_pod: int
     model_parallel: int
+    ep: int = 1
 
     @classmethod
     def of(cls, spec: MegatronJobSpec) -> UnitShape:
-        return cls(spec.pods_per_replica, spec.replicas_per_pod, spec.gpus_per_pod, spec.model_parallel)
+        return cls(spec.pods_per_replica, spec.replicas_per_pod, spec.gpus_per_pod, spec.model_parallel, spec.ep)
 
     def units_for(self, replicas: int) -> int:
         """Units that hold ``replicas`` replicas (replicas is a multiple of replicas_per_unit)."""
         return replicas // self.replicas_per_unit
+
+    def whole(self, units: int) -> int:
+        """The most units, at most ``units``, whose replicas make whole expert-parallel groups
+        (dp a multiple of ep, as Megatron requires); ``units`` itself without experts."""
+        step = math.lcm(self.ep, self.replicas_per_unit) // self.replicas_per_unit
+        return units - units % step
 
     def slot(self, unit: int, position: int, local: int) -> tuple[int, int]:
         """(dp rank, model-parallel index) of GPU ``local`` of the pod at ``position`` in ``unit``."""
@@ -194,7 +205,7 @@ def plan_mesh(
 
     if previous is None:
         pool = list(active.values()) + spares
-        n_units = min(max_units, len(pool) // shape.pods_per_unit)
+        n_units = shape.whole(min(max_units, len(pool) // shape.pods_per_unit))
         if n_units < min_units or n_units == 0:
             return PlanDecision(
                 Outcome.WAIT,
@@ -223,7 +234,7 @@ def plan_mesh(
 
     damaged_survivors = sum(1 for u in damaged for n in u if n in survivors)
     available = len(intact) * shape.pods_per_unit + damaged_survivors + len(spares)
-    n_units = min(max_units, available // shape.pods_per_unit)
+    n_units = shape.whole(min(max_units, available // shape.pods_per_unit))
     current_units = len(previous_units)
 
     if not lost and n_units == current_units and not retry:
@@ -241,25 +252,31 @@ def plan_mesh(
 
     # Keep intact units; rebuild the damaged units with the most survivors first; the survivors of
     # the damaged units not rebuilt join the pool and fill the holes of the ones that are.
-    keep_damaged = sorted(damaged, key=lambda u: -sum(1 for n in u if n in survivors))
-    keep_damaged = keep_damaged[: max(0, n_units - len(intact))]
-    kept_intact = intact[:n_units]
-    dropped = [u for u in damaged if u not in keep_damaged]
+    by_survivors = sorted(damaged, key=lambda u: -sum(1 for n in u if n in survivors))
+    slots: list[list[str] | None]
+    if shape.ep == 1:
+        keep_damaged = by_survivors[: max(0, n_units - len(intact))]
+        kept = {id(u) for u in intact[:n_units]} | {id(u) for u in keep_damaged}
+        # Kept units stay in their previous order, so dp ranks move as little as possible.
+        slots = [u for u in previous_units if id(u) in kept]
+        slots += [None] * (n_units - len(slots))
+    else:
+        slots = _by_expert_rank(intact + by_survivors, previous_units, n_units, shape)
+    placed = {id(u) for u in slots if u is not None}
     # Spares first, so released pods tend to stay spares; but a pod in a failure domain that just
     # lost pods (the same node, rack or zone) comes last: what took the lost pod may take it next.
     fillers: list[PodRef] = list(spares)
-    fillers.extend(active[n] for u in dropped for n in u if n in survivors)
+    fillers.extend(active[n] for u in previous_units if id(u) not in placed for n in u if n in survivors)
     suspect = _suspect_domains(lost, placement)
     fillers = [p for _, p in sorted(enumerate(fillers), key=lambda ip: (*suspect(ip[1]), ip[0]))]
     fillers.reverse()  # pop() takes the first
 
     new_units: list[list[PodRef]] = []
-    # Kept units stay in their previous order, so dp ranks move as little as possible.
-    kept = {id(u) for u in kept_intact} | {id(u) for u in keep_damaged}
-    for unit in (u for u in previous_units if id(u) in kept):
-        new_units.append([active[name] if name in survivors else fillers.pop() for name in unit])
-    while len(new_units) < n_units:
-        new_units.append([fillers.pop() for _ in range(shape.pods_per_unit)])
+    for slot in slots:
+        if slot is None:
+            new_units.append([fillers.pop() for _ in range(shape.pods_per_unit)])
+        else:
+            new_units.append([active[name] if name in survivors else fillers.pop() for name in slot])
 
     members = {p.name for u in new_units for p in u}
     promoted = tuple(p.name for u in new_units for p in u if p.name not in survivors)
@@ -297,6 +314,30 @@ def plan_mesh(
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
 
 
+def _by_expert_rank(
+    candidates: list[list[str]], previous_units: list[list[str]], n_units: int, shape: UnitShape
+) -> list[list[str] | None]:
+    """The previous units that stay, by new position (None: a unit of spares): each candidate, in
+    order of preference, takes the first free position whose replicas have the expert-parallel
+    ranks its replicas had, so that it keeps its experts; the rest fill the positions left over."""
+    index = {id(u): i for i, u in enumerate(previous_units)}
+
+    def phase(position: int) -> int:
+        return (position * shape.replicas_per_unit) % shape.ep
+
+    slots: list[list[str] | None] = [None] * n_units
+    unmatched = []
+    for unit in candidates:
+        free = next((j for j in range(n_units) if slots[j] is None and phase(j) == phase(index[id(unit)])), None)
+        if free is None:
+            unmatched.append(unit)
+        else:
+            slots[free] = unit
+    for j, unit in zip([j for j in range(n_units) if slots[j] is None], unmatched, strict=False):
+        slots[j] = unit
+    return slots
+
+
 def _suspect_domains(
     lost: Collection[str], placement: Mapping[str, Placement]
 ) -> Callable[[PodRef], tuple[bool, bool]]:
@@ -327,9 +368,9 @@ def _build(
     previous_trained: bool,
 ) -> MeshPlan:
     dp = len(units) * shape.replicas_per_unit
-    sizes = MeshSizes(world=spec.model_parallel * dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp)
+    sizes = MeshSizes(world=spec.model_parallel * dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp, ep=spec.ep)
     members: list[PlanMember] = []
-    mp_key_of: dict[int, tuple[int, int, int]] = {}
+    mp_key_of: dict[int, tuple[int, int, int, int]] = {}
     for unit_index, unit in enumerate(units):
         for position, pod in enumerate(unit):
             ranks = []
@@ -338,7 +379,7 @@ def _build(
                 coords = _coords(sizes, dp_rank, mp_index)
                 rank = sizes.rank_of(coords)
                 ranks.append(rank)
-                mp_key_of[rank] = coords.model_parallel_key()
+                mp_key_of[rank] = sizes.shard_key(rank)
             members.append(
                 PlanMember(pod=pod.name, pod_uid=pod.uid, address=pod.address, agent_port=AGENT_PORT, ranks=ranks)
             )
@@ -379,7 +420,7 @@ class _Sources:
 def _state_sources(
     sizes: MeshSizes,
     members: list[PlanMember],
-    mp_key_of: dict[int, tuple[int, int, int]],
+    mp_key_of: dict[int, tuple[int, int, int, int]],
     previous: MeshPlan | None,
     checkpoint_step: int | None,
     previous_trained: bool,
@@ -387,22 +428,22 @@ def _state_sources(
     if previous is None:
         return _Sources(StateSourceKind.INIT, None, [], frozenset())
 
-    # What each previous member held: pod (by UID when known) -> model-parallel keys it held. A
+    # What each previous member held: pod (by UID when known) -> shard keys it held. A
     # plan that never trained delivered nothing: only the ranks that kept their own state in it
     # hold one (a plan whose default was a reload or a fresh start leaves nobody holding any).
     def holds(rank: int) -> bool:
         return previous_trained or previous.source_of(rank).kind is StateSourceKind.SELF
 
-    held: dict[tuple[str, str | None], set[tuple[int, int, int]]] = {}
+    held: dict[tuple[str, str | None], set[tuple[int, int, int, int]]] = {}
     for m in previous.members:
-        keys = {previous.sizes.coords_of(r).model_parallel_key() for r in m.ranks if holds(r)}
+        keys = {previous.sizes.shard_key(r) for r in m.ranks if holds(r)}
         held[(m.pod, m.pod_uid)] = keys
     keeps: dict[int, bool] = {}
     for m in members:
         keys = held.get((m.pod, m.pod_uid), set())
         for rank in m.ranks:
             keeps[rank] = mp_key_of[rank] in keys
-    holder: dict[tuple[int, int, int], int] = {}
+    holder: dict[tuple[int, int, int, int], int] = {}
     for rank in sorted(keeps):
         if keeps[rank]:
             holder.setdefault(mp_key_of[rank], rank)

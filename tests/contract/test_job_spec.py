@@ -1,5 +1,6 @@
 """MegatronJobSpec in Python: the committed examples parse (the Llama one through its preset, the
 production one with its pod template kept as given), a template that clashes with nothing parses,
+a mixture-of-experts job with expert parallelism (and its example) parses (the default ep 1 for every other job),
 every bad job of ``BAD_JOBS`` is refused naming its field (bad names by the whole MegatronJob),
 quantities and GPUs equal to gpusPerPod parse (the same list the API-server test applies),
 derived sizes are right, and the status model round-trips through its wire form."""
@@ -19,6 +20,8 @@ from megatronjob_builders import (
     GOOD_TEMPLATE,
     LLAMA_EXAMPLE,
     LONGEST_NAME,
+    MOE_EXAMPLE,
+    MOE_TP2,
     PRODUCTION_EXAMPLE,
     BadJob,
     example_job,
@@ -32,6 +35,15 @@ def test_example_parses_with_defaults_filled() -> None:
     assert job.spec.cp == 1  # defaulted
     assert job.spec.worker_pods == 4
     assert job.spec.failure_detection.heartbeat_timeout_seconds == 10
+
+
+def test_expert_parallel_job_parses() -> None:
+    spec = MegatronJob.model_validate(with_spec(example_job(), ep=2, **MOE_TP2)).spec
+    assert (spec.ep, spec.model.num_experts, spec.model.moe_router_topk) == (2, 8, 2)
+    assert spec.model.moe_token_dispatcher_type == "alltoall" and spec.model.moe_aux_loss_coeff == 0.0
+    assert MegatronJob.model_validate(example_job()).spec.ep == 1
+    moe = MegatronJob.model_validate(example_job("moe", MOE_EXAMPLE)).spec
+    assert (moe.ep, moe.model.num_experts, moe.model.moe_router_topk, moe.replicas_per_pod) == (8, 64, 8, 8)
 
 
 def test_llama_example_resolves_its_preset_with_overrides() -> None:

@@ -1,12 +1,14 @@
 """MeshPlan invariants: rank math is Megatron's tp-cp-dp-pp order and invertible (property test);
-a valid plan parses; plans with duplicate or missing ranks, a TP group across pods, a wrong batch
-split, or a state source that does not hold the state are refused; the batch split always adds up
-and sample ranges of one step tile the global batch exactly."""
+expert-parallel ranks are those of megatron-core's own expert groups (property test) and ep must
+divide dp; a valid plan parses; plans with duplicate or missing ranks, a TP group across pods, a
+wrong batch split, or a state source that does not hold the state (another model shard, or another
+share of the experts) are refused; the batch split always adds up and sample ranges of one step
+tile the global batch exactly."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -37,6 +39,27 @@ def test_rank_math_refuses_out_of_range() -> None:
         sizes.coords_of(8)
     with pytest.raises(MeshError):
         sizes.rank_of(MeshCoords(tp=2, cp=0, dp=0, pp=0))
+
+
+@settings(deadline=None)  # the first example imports megatron-core
+@given(sizes_st, st.sampled_from([1, 2, 4]))
+def test_expert_ranks_are_megatron_core_expert_groups(sizes: MeshSizes, ep: int) -> None:
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    if sizes.dp % ep:
+        with pytest.raises(ValidationError, match=f"dp {sizes.dp} is not a multiple of ep {ep}"):
+            MeshSizes(**{**sizes.model_dump(), "ep": ep})
+        return
+    sizes = MeshSizes(**{**sizes.model_dump(), "ep": ep})
+    # megatron-core's expert mesh as initialize_model_parallel builds it: expert tp = tp, no cp.
+    experts = parallel_state.RankGenerator(
+        tp=sizes.tp, ep=ep, dp=sizes.world // (sizes.tp * ep * sizes.pp), pp=sizes.pp, cp=1, order="tp-cp-ep-dp-pp"
+    )
+    for group in experts.get_ranks("ep"):
+        assert [sizes.expert_rank(sizes.coords_of(r)) for r in group] == list(range(ep))
+    # An expert-data-parallel group (the replicas of one share of the experts; cp ranks too, since
+    # experts use no cp) has one tp, pp and expert rank: a peer of the same shard key holds its experts.
+    for group in experts.get_ranks("dp"):
+        assert len({(tp, pp, expert) for tp, _, pp, expert in map(sizes.shard_key, group)}) == 1
 
 
 @given(st.integers(1, 64), st.integers(1, 4), st.integers(1, 16), st.integers(0, 1000))
@@ -164,6 +187,21 @@ def test_valid_plan_parses_and_answers_queries() -> None:
             },
             "without checkpointStep",
         ),
+        (  # tp=1, dp=4, ep=2: ranks 0 and 2 hold the same experts, rank 1 the others
+            {
+                "sizes": {"world": 4, "tp": 1, "pp": 1, "cp": 1, "dp": 4, "ep": 2},
+                "gpusPerPod": 2,
+                "batch": {"globalBatchSize": 8, "microBatchSize": 1, "microBatchesPerReplica": [2, 2, 2, 2]},
+                "stateSources": [
+                    {"rank": 0, "kind": "self"},
+                    {"rank": 1, "kind": "self"},
+                    {"rank": 2, "kind": "peer", "peerRank": 1},
+                    {"rank": 3, "kind": "peer", "peerRank": 1},
+                ],
+            },
+            "rank 2: peer 1 holds another model shard",
+        ),
+        ({"sizes": {"world": 4, "tp": 2, "pp": 1, "cp": 1, "dp": 2, "ep": 4}}, "dp 2 is not a multiple of ep 4"),
         ({"stateSources": [{"rank": 0, "kind": "init"}, {"rank": 0, "kind": "self"}]}, "more than once"),
         ({"stateSources": [{"rank": 4, "kind": "init"}]}, "outside 0..3"),
         ({"stateSources": [], "defaultSource": "peer"}, "cannot be peer"),

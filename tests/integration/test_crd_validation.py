@@ -6,8 +6,9 @@ volumes, a priority class) is accepted with its template kept as given; every jo
 long for a label or not a DNS-1035 label) is refused by ``kubectl apply`` with a message naming
 the field; quantities in their usual forms, GPUs equal to gpusPerPod (in spec.resources and in the
 template's trainer container), a template that clashes with nothing and a 63-character name are
-accepted; tp, pp, cp and gpusPerPod cannot change on a live job while replicas can; the status
-subresource accepts the operator's status and ignores status sent with the spec."""
+accepted; a mixture-of-experts job with expert parallelism, and the MoE example, are accepted; tp, pp, cp, ep and
+gpusPerPod cannot change on a live job while replicas can; the status subresource accepts the
+operator's status and ignores status sent with the spec."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from megatronjob_builders import (
     GOOD_TEMPLATE,
     LLAMA_EXAMPLE,
     LONGEST_NAME,
+    MOE_EXAMPLE,
+    MOE_TP2,
     PRODUCTION_EXAMPLE,
     BadJob,
     example_job,
@@ -86,6 +89,18 @@ def test_quantities_gpus_matching_gpus_per_pod_and_a_63_character_name_are_accep
 
 def test_a_template_that_clashes_with_nothing_is_accepted(local_cluster: LocalCluster, namespace: str) -> None:
     code, out = apply(local_cluster, namespace, with_spec(example_job("templated"), **GOOD_TEMPLATE))
+    assert code == 0, out
+
+
+def test_expert_parallel_job_is_accepted_and_ep_is_immutable(local_cluster: LocalCluster, namespace: str) -> None:
+    job = with_spec(example_job("moe"), ep=2, **MOE_TP2)
+    code, out = apply(local_cluster, namespace, job)
+    assert code == 0, out
+    got = json.loads(local_cluster.kubectl("get", "mj", "moe", "-n", namespace, "-o", "json").stdout)
+    assert got["spec"]["ep"] == 2 and got["spec"]["model"]["numExperts"] == 8
+    code, out = apply(local_cluster, namespace, with_spec(job, ep=1))
+    assert code != 0 and "spec.ep is immutable" in out, out
+    code, out = apply(local_cluster, namespace, example_job("moe-example", MOE_EXAMPLE))
     assert code == 0, out
 
 

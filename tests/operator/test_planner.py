@@ -12,21 +12,26 @@ Scenarios:
 - when no replica holds a shard any more, every rank reloads the checkpoint (or starts over);
 - a plan that never trained delivered no state: its newcomers hold none in the next plan, so a
   pod lost while the survivors were still joining falls back to those who kept theirs;
-- the rendezvous store lives with a member whose agent reported most recently.
+- the rendezvous store lives with a member whose agent reported most recently;
+- expert parallelism (ep=2): a shrink drops a whole expert-parallel group, choosing which replicas
+  leave so that every survivor keeps its share of the experts; growth adds a whole group whose
+  newcomers take their experts from the peers holding them; a job waits rather than split a group.
 - failure domains: a failed pod's replacement is a spare on another node, in another rack (the
   job's topology label) before another node of the same rack; with no placement known the order
   of the spares decides; property (hypothesis): for any placement of pods on nodes and racks and
   any failed members, as few replacements as possible come from a rack, then a node, that lost a pod.
 - property (hypothesis): for any valid spec and any sequence of failures, arrivals and changes of
   spec.replicas, every plan is a valid mesh (ranks unique and dense, TP groups inside a pod,
-  world = tp*pp*cp*dp), epochs strictly increase, the global batch never changes, dp stays in
-  [minReplicas, replicas] and is as large as the healthy pods allow, failed pods never train, no
-  healthy pod is lost, and every rank's state source really holds that state.
+  world = tp*pp*cp*dp, dp a multiple of ep), epochs strictly increase, the global batch never
+  changes, dp stays in [minReplicas, replicas] and is as large as the healthy pods allow in whole
+  expert-parallel groups, failed pods never train, no healthy pod is lost, and every rank's state
+  source really holds that state (the same model shard and share of the experts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -36,6 +41,8 @@ from operator_factories import JOB_UID, make_pod_refs, make_spec
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
 from megatron_operator.planner import Outcome, Placement, PodRef, UnitShape, plan_mesh
+
+MOE_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_experts": 4, "add_bias_linear": False}
 
 
 def _initial(spec: MegatronJobSpec, pods: list[PodRef]) -> MeshPlan:
@@ -133,8 +140,7 @@ def test_failed_pod_is_replaced_by_spare_in_place() -> None:
         source = new.source_of(rank)
         assert source.kind is StateSourceKind.PEER
         assert source.peer_rank is not None
-        peer_key = new.sizes.coords_of(source.peer_rank).model_parallel_key()
-        assert peer_key == new.sizes.coords_of(rank).model_parallel_key()
+        assert new.sizes.shard_key(source.peer_rank) == new.sizes.shard_key(rank)
     others = [r for m in new.members if m.pod != "p4" for r in m.ranks]
     assert all(new.source_of(r).kind is StateSourceKind.SELF for r in others)
     assert new.resume_step == 7
@@ -196,6 +202,36 @@ def test_grow_back_when_pods_return() -> None:
     assert grown.plan.epoch == shrunk.epoch + 1
 
 
+def test_a_shrink_drops_a_whole_expert_parallel_group_and_keeps_every_survivors_experts() -> None:
+    # ep=2 over dp=4, one replica per pod: p0 and p2 hold experts 0-1, p1 and p3 experts 2-3.
+    spec = make_spec(replicas=4, min_replicas=2, spares=0, ep=2, model=MOE_MODEL)
+    pods = make_pod_refs(4)
+    plan = _initial(spec, pods)
+    assert [plan.sizes.shard_key(m.ranks[0])[3] for m in plan.members] == [0, 1, 0, 1]
+    decision = plan_mesh(spec, JOB_UID, [pods[0], pods[2], pods[3]], [], ["p1"], plan, resume_step=6)
+    new = decision.plan
+    # dp 3 would not split 4 experts over ep=2 evenly in every group: down to dp 2, and p2 (experts
+    # 0-1, like p0) leaves rather than p3, the last holder of experts 2-3, which keeps its place.
+    assert new is not None and new.reason is PlanReason.SHRINK and new.sizes.dp == 2
+    assert [m.pod for m in new.members] == ["p0", "p3"] and decision.released == ("p2",)
+    assert all(s.kind is StateSourceKind.SELF for s in new.sources()) and new.resume_step == 6
+    # Growing back adds a whole group: the newcomers take their experts from the peers holding them.
+    grown = plan_mesh(spec, JOB_UID, _refs(new), make_pod_refs(2, start=10), [], new).plan
+    assert grown is not None and grown.reason is PlanReason.GROW and grown.sizes.dp == 4
+    for rank in (2, 3):
+        source = grown.source_of(rank)
+        assert source.kind is StateSourceKind.PEER and source.peer_rank == rank - 2
+
+
+def test_expert_parallel_jobs_wait_rather_than_split_an_expert_parallel_group() -> None:
+    spec = make_spec(replicas=4, min_replicas=4, spares=0, ep=2, model=MOE_MODEL)
+    pods = make_pod_refs(4)
+    assert plan_mesh(spec, JOB_UID, pods[:3], [], [], None).outcome is Outcome.WAIT
+    plan = _initial(spec, pods)
+    decision = plan_mesh(spec, JOB_UID, pods[1:], [], ["p0"], plan)
+    assert decision.outcome is Outcome.WAIT and "below minReplicas 4" in decision.message
+
+
 def test_nothing_happened_keeps_the_plan() -> None:
     spec = make_spec(replicas=2, spares=1)
     pods = make_pod_refs(3)
@@ -255,9 +291,13 @@ def specs(draw: st.DrawFn) -> MegatronJobSpec:
     mp = tp * pp * cp
     layouts = [g for g in (1, 2, 4, 8) if g % tp == 0 and (mp % g == 0 or g % mp == 0)]
     gpus_per_pod = draw(st.sampled_from(layouts))
+    ep = draw(st.sampled_from([1, 1, 2, 4]))
     per_pod = max(1, gpus_per_pod // mp)
-    replicas = per_pod * draw(st.integers(1, 6))
-    min_replicas = per_pod * draw(st.integers(1, replicas // per_pod))
+    step = math.lcm(per_pod, ep)  # replicas come in whole pods and whole expert-parallel groups
+    replicas = step * draw(st.integers(1, max(1, 6 // step)))
+    min_replicas = step * draw(st.integers(1, replicas // step))
+    moe = {"num_experts": 2 * ep, "add_bias_linear": False, "sequence_parallel": tp > 1} if ep > 1 else {}
+    heads = max(4, tp * 4)
     return make_spec(
         replicas=replicas,
         min_replicas=min_replicas,
@@ -266,6 +306,8 @@ def specs(draw: st.DrawFn) -> MegatronJobSpec:
         pp=pp,
         cp=cp,
         gpus_per_pod=gpus_per_pod,
+        ep=ep,
+        model={"num_layers": 2 * pp, "hidden_size": heads * 16, "num_attention_heads": heads, **moe},
     )
 
 
@@ -306,7 +348,7 @@ def test_every_plan_is_a_valid_mesh_for_any_failures_and_arrivals(
             failed.add(victim)
         elif kind == "resize":  # the user edits spec.replicas (within minReplicas..the original)
             fewest = shape.units_for(spec.min_replicas)
-            units = fewest + pick % (most_units - fewest + 1)
+            units = shape.whole(fewest + pick % (most_units - fewest + 1))
             spec = spec.model_copy(update={"replicas": units * shape.replicas_per_unit})
         elif kind == "arrive":
             for ref in make_pod_refs(count, start=serial):
@@ -319,7 +361,7 @@ def test_every_plan_is_a_valid_mesh_for_any_failures_and_arrivals(
         assert decision.plan is not plan or decision.outcome is Outcome.UNCHANGED
         if decision.outcome is Outcome.WAIT:
             assert decision.plan is None
-            assert len(healthy) // shape.pods_per_unit * shape.replicas_per_unit < spec.min_replicas
+            assert shape.whole(len(healthy) // shape.pods_per_unit) * shape.replicas_per_unit < spec.min_replicas
             continue  # the job waits; the next event plans from the same previous plan
         new = decision.plan
         assert new is not None
@@ -337,25 +379,27 @@ def _check_transition(
     MeshPlan.model_validate(new.to_wire())
     sizes = new.sizes
     assert sizes.world == sizes.tp * sizes.pp * sizes.cp * sizes.dp
-    assert (sizes.tp, sizes.pp, sizes.cp) == (spec.tp, spec.pp, spec.cp)
+    assert (sizes.tp, sizes.pp, sizes.cp, sizes.ep) == (spec.tp, spec.pp, spec.cp, spec.ep)
+    assert sizes.dp % sizes.ep == 0  # whole expert-parallel groups, as Megatron requires
     assert sorted(r for m in new.members for r in m.ranks) == list(range(sizes.world))
     assert new.epoch == old.epoch + 1
     assert new.batch.global_batch_size == spec.training.global_batch_size
     assert spec.min_replicas <= sizes.dp <= spec.replicas
-    # As large as the healthy pods allow.
-    assert sizes.dp == min(spec.replicas, len(healthy) // shape.pods_per_unit * shape.replicas_per_unit)
+    # As large as the healthy pods allow (in whole expert-parallel groups).
+    units = min(shape.units_for(spec.replicas), len(healthy) // shape.pods_per_unit)
+    assert sizes.dp == shape.whole(units) * shape.replicas_per_unit
     members = {m.pod for m in new.members}
     assert not members & failed and members <= set(healthy)
     for member in new.members:
         assert member.pod_uid == healthy[member.pod].uid
         first_ranks = {r - r % sizes.tp for r in member.ranks}
         assert all(f in member.ranks for f in first_ranks)  # TP groups inside the pod
-    # State sources: self means the very pod held that shard before; peers hold theirs.
-    held = {(m.pod, old.sizes.coords_of(r).model_parallel_key()) for m in old.members for r in m.ranks}
+    # State sources: self means the very pod held that shard (and share of experts) before; peers hold theirs.
+    held = {(m.pod, old.sizes.shard_key(r)) for m in old.members for r in m.ranks}
     pod_of = new.pod_of_rank()
     kinds = {s.kind for s in new.sources()}
     for source in new.sources():
-        key = sizes.coords_of(source.rank).model_parallel_key()
+        key = sizes.shard_key(source.rank)
         if source.kind is StateSourceKind.SELF:
             assert (pod_of[source.rank], key) in held
         elif source.kind is StateSourceKind.PEER:

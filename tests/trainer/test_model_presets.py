@@ -5,7 +5,8 @@ builds (meta device, depths 1 and 2, extrapolated), is within 0.5 % of the publi
 for the Llama and Qwen presets equal to the exact count of the published checkpoints; the depth
 extrapolation equals a whole build with real tensors on the CPU for a small Llama-style model, dense
 and mixture-of-experts (megatron-core's local experts, no Transformer Engine);
-fields given next to a preset override it; fp8 without Transformer Engine is refused naming the field.
+fields given next to a preset override it; fp8 without Transformer Engine is refused naming the
+field, and so is sequenceParallel (which MoE with tp > 1 needs) without Transformer Engine or Apex.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from megatron_contract.job import MegatronJobSpec, Precision
 from megatron_contract.presets import PUBLISHED_PARAMETERS, ModelPreset
-from megatron_trainer.worker.model import check_supported, has_transformer_engine
+from megatron_trainer.worker.model import check_supported, has_apex, has_transformer_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,4 +108,14 @@ def test_fields_next_to_a_preset_override_it() -> None:
 def test_fp8_without_transformer_engine_is_refused_naming_the_field() -> None:
     spec = MegatronJobSpec(image="x", replicas=1, training={"precision": Precision.FP8})
     with pytest.raises(ValueError, match=r"spec\.training\.precision fp8 needs Transformer Engine"):
+        check_supported(spec, torch.device("cpu"))
+
+
+@pytest.mark.skipif(has_transformer_engine() or has_apex(), reason="Transformer Engine or Apex norms are installed")
+def test_sequence_parallel_without_fused_norms_is_refused_naming_the_field() -> None:
+    # megatron-core's local spec would fail later, building the model: "sequence parallel not
+    # supported by torch LayerNorm". MoE with tp > 1 needs sequence parallelism, so it cannot train here.
+    model = {"numExperts": 4, "addBiasLinear": False, "sequenceParallel": True}
+    spec = MegatronJobSpec(image="x", replicas=1, tp=2, gpus_per_pod=2, model=model)
+    with pytest.raises(ValueError, match=r"spec\.model\.sequenceParallel needs Transformer Engine or Apex"):
         check_supported(spec, torch.device("cpu"))

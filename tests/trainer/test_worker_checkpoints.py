@@ -133,7 +133,7 @@ def test_async_save_overlaps_training_skips_instead_of_stacking_and_keeps_the_ne
     for step in complete_steps(root):
         manifest = json.loads((checkpoint_dir(root, step) / MANIFEST).read_text())
         assert manifest["step"] == step
-        assert manifest["mesh"] == {"world": 2, "tp": 2, "pp": 1, "cp": 1, "dp": 1}
+        assert manifest["mesh"] == {"world": 2, "tp": 2, "pp": 1, "cp": 1, "dp": 1, "ep": 1}
         assert len(manifest["config_hash"]) == 16
         assert any(name.endswith(".distcp") for name in manifest["files"])
         on_disk = {p.name for p in checkpoint_dir(root, step).iterdir()} - {MANIFEST}

@@ -7,8 +7,8 @@ one replica whatever the data-parallel size; settings name the missing variable 
 fields a newer operator sends; the restore's buckets keep every tensor once, by dtype, within the
 limit; the restore's routes send each newcomer its named peer's state, bring survivors of a DP
 group that disagree by a step to the newest one (from the lowest-ranked survivor holding it, also
-for a newcomer whose named peer is behind), and leave every member of the group at the newest step
-whatever the survivors hold.
+for a newcomer whose named peer is behind; with expert parallelism, one holding the same experts),
+and leave every member of the group at the newest step whatever the survivors hold.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from worker_harness import make_plan, make_spec, peer_sources
 
 from megatron_contract import wire
+from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSource, StateSourceKind
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault, InjectionPoint
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
@@ -238,6 +239,23 @@ def test_restore_routes_redirect_a_newcomer_whose_named_peer_is_behind() -> None
     # Two survivors at the newest step: the lowest-ranked one sends.
     kept = make_plan(spec, 2, ["a", "b", "c"], 1, resume_step=4)
     assert restore_routes(kept, [1, 3, 5], {1: 5, 3: 4, 5: 5}) == {3: 1}
+
+
+def test_restore_routes_take_a_survivor_behind_to_a_peer_holding_the_same_experts() -> None:
+    # dp 4, tp 1, ep 2: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3.
+    spec = MegatronJobSpec.model_validate(
+        {
+            **make_spec(
+                replicas=4, min_replicas=2, tp=1, gpus_per_pod=2, num_experts=4, add_bias_linear=False
+            ).to_wire(),
+            "ep": 2,
+        }
+    )
+    kept = make_plan(spec, 2, ["a", "b"], 1, resume_step=4)
+    # Rank 0 is behind; rank 1 is the lowest-ranked holder of the newest step, but of other experts.
+    assert restore_routes(kept, [0, 1, 2, 3], {0: 4, 1: 5, 2: 5, 3: 5}) == {0: 2}
+    # Nobody holds experts 0-1 at the newest step: no route can repair it (verification refuses it).
+    assert restore_routes(kept, [0, 1, 2, 3], {0: 4, 1: 5, 2: 4, 3: 5}) == {}
 
 
 @given(

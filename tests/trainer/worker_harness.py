@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,7 @@ def make_plan(
     """
     world = len(pods) * spec.gpus_per_pod
     dp = world // spec.model_parallel
-    sizes = MeshSizes(world=world, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp)
+    sizes = MeshSizes(world=world, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp, ep=spec.ep)
     members = [
         PlanMember(pod=p, address="127.0.0.1", ranks=list(range(i * spec.gpus_per_pod, (i + 1) * spec.gpus_per_pod)))
         for i, p in enumerate(pods)
@@ -138,13 +138,18 @@ def make_plan(
     )
 
 
-def peer_sources(spec: MegatronJobSpec, receivers: Iterable[int], donors: Iterable[int]) -> dict[int, StateSource]:
-    """Each receiving rank takes state from the donor rank with the same position in its replica."""
-    donor_by_slot = {d % spec.model_parallel: d for d in donors}
-    return {
-        r: StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=donor_by_slot[r % spec.model_parallel])
-        for r in receivers
-    }
+def peer_sources(
+    spec: MegatronJobSpec, receivers: Iterable[int], donors: Iterable[int], world: int | None = None
+) -> dict[int, StateSource]:
+    """Each receiving rank takes state from the donor rank with the same position in its replica
+    (and, given the plan's ``world``, the same expert-parallel rank: the same shard)."""
+    if world is None:
+        key: Callable[[int], object] = lambda r: r % spec.model_parallel  # noqa: E731
+    else:
+        sizes = MeshSizes(world=world, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=world // spec.model_parallel, ep=spec.ep)
+        key = sizes.shard_key
+    donor_by_key = {key(d): d for d in donors}
+    return {r: StateSource(rank=r, kind=StateSourceKind.PEER, peer_rank=donor_by_key[key(r)]) for r in receivers}
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,7 +1,7 @@
 """CPU adaptations for megatron-core call sites that hard-require CUDA. Used only without a GPU.
 
 megatron-core 0.19 assumes CUDA in about 35 places (RNG state, RoPE, DDP buffers, optimizer,
-clip_grads, checkpoint savers). Rather than fork them, this
+clip_grads, checkpoint savers, the MoE all-to-all dispatcher). Rather than fork them, this
 module redirects the few ``torch.cuda`` entry points those call sites reach to their CPU
 equivalents, and nothing else. Each shim names the call site that needs it. :func:`install` is
 called once by the worker before it builds a model, and only when ``torch.cuda.is_available()`` is
@@ -138,6 +138,16 @@ def _clip_grad_by_total_norm_fp32(
             g.mul_(clip_coeff)
 
 
+def _splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher) moves the all-to-all split
+    sizes to the host through moe_utils.maybe_move_tensor_to_cpu, which makes numpy arrays of CUDA
+    tensors only; CPU tensors stay tensors, and all_to_all_single refuses a tensor as split sizes
+    ("alltoall_base(): incompatible function arguments"). Same result as on GPU: numpy arrays."""
+    if as_numpy and isinstance(tensor, torch.Tensor):
+        return tensor.numpy()
+    return tensor
+
+
 # (where torch.cuda.<name> is reached, the CPU replacement). Only these names are replaced.
 _TORCH_CUDA_SHIMS: dict[str, tuple[str, Callable[..., Any] | type]] = {
     "get_rng_state": ("tensor_parallel/random.py CudaRNGStatesTracker.add", _cpu_rng_state),
@@ -176,6 +186,9 @@ def install() -> None:
 
     # optimizer/optimizer.py imported clip_grad_by_total_norm_fp32 by name; replace it there.
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _splits_to_host
     global _device_mode
     _device_mode = _CudaToCpu()
     _device_mode.__enter__()  # stays active for the life of the worker process

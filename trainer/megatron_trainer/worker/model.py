@@ -62,8 +62,24 @@ def has_transformer_engine() -> bool:
     return True
 
 
+def has_apex() -> bool:
+    """Whether Apex is importable (megatron-core's fused norms for the local layer spec)."""
+    try:
+        import apex  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def check_supported(spec: MegatronJobSpec, device: torch.device) -> None:
     """Refuse, with a message naming the field, what this image or device cannot train."""
+    if spec.model.sequence_parallel and not (has_transformer_engine() or has_apex()):
+        # Without either, megatron-core's local layer spec falls back to torch norms, which assert
+        # "sequence parallel not supported by torch LayerNorm" when the model is built.
+        raise ValueError(
+            "spec.model.sequenceParallel needs Transformer Engine or Apex, which this trainer image does not have "
+            "(megatron-core's torch norms refuse it); so does spec.model.numExperts with spec.tp > 1"
+        )
     if spec.training.precision is Precision.FP8:
         if not has_transformer_engine():
             raise ValueError(
@@ -106,9 +122,11 @@ def transformer_config(spec: MegatronJobSpec, device: torch.device, initialize: 
         num_moe_experts=m.num_experts,
         moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size if m.num_experts else None,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_grouped_gemm=False,  # grouped GEMM needs Transformer Engine or nv-grouped-gemm
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type.value,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         use_cpu_initialization=device.type == "cpu",

@@ -1,4 +1,5 @@
-"""Restore state by broadcast from a data-parallel peer with the same tp/cp/pp coordinates.
+"""Restore state by broadcast from a data-parallel peer with the same tp/cp/pp coordinates (and,
+with expert parallelism, the same expert-parallel rank: the same share of the experts).
 
 Every rank of a data-parallel group takes part; for each distinct source named by the plan for
 that group, the source's state tensors are broadcast over the epoch's DP group and kept by the
@@ -59,7 +60,10 @@ def restore_routes(plan: MeshPlan, group_ranks: Sequence[int], held: Mapping[int
     Returns:
         The plan's peer receivers, with their named peer; and, when the survivors disagree, every
         survivor behind the newest step, and every newcomer whose named peer is behind, with the
-        lowest-ranked survivor holding the newest step. Every member computes the same routes.
+        lowest-ranked survivor holding the newest step and the same shard (with expert
+        parallelism a DP group holds ``ep`` different shards of the experts). A rank whose shard
+        nobody holds at the newest step keeps its route: verification refuses the disagreement.
+        Every member computes the same routes.
     """
     routes: dict[int, int] = {}
     for r in group_ranks:
@@ -69,9 +73,14 @@ def restore_routes(plan: MeshPlan, group_ranks: Sequence[int], held: Mapping[int
     if not held:
         return routes
     newest = max(held.values())
-    holder = min(r for r, step in held.items() if step == newest)
-    behind = {r: holder for r, step in held.items() if step < newest}
-    redirected = {r: holder for r, sender in routes.items() if held.get(sender, newest) < newest}
+    key = plan.sizes.shard_key
+    holders: dict[tuple[int, int, int, int], int] = {}
+    for r in sorted(r for r, step in held.items() if step == newest):
+        holders.setdefault(key(r), r)
+    behind = {r: holders[key(r)] for r, step in held.items() if step < newest and key(r) in holders}
+    redirected = {
+        r: holders[key(r)] for r, sender in routes.items() if held.get(sender, newest) < newest and key(r) in holders
+    }
     return {**routes, **redirected, **behind}
 
 

@@ -104,12 +104,13 @@ def join_spare_world(spec: MegatronJobSpec, local_rank: int) -> None:
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world = spec.model_parallel
+    world = spec.model_parallel * spec.ep  # ep replicas: the expert layers get their share of experts
     dist.init_process_group("fake", store=FakeStore(), rank=local_rank % world, world_size=world)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
         context_parallel_size=spec.cp,
+        expert_model_parallel_size=spec.ep,
         create_gloo_process_groups=False,
     )
 
@@ -165,6 +166,7 @@ def join_epoch(
         tensor_model_parallel_size=plan.sizes.tp,
         pipeline_model_parallel_size=plan.sizes.pp,
         context_parallel_size=plan.sizes.cp,
+        expert_model_parallel_size=plan.sizes.ep,
         create_gloo_process_groups=False,
         distributed_timeout_minutes=timeout.total_seconds() / 60.0,  # declared int; used as timedelta(minutes=)
     )
@@ -190,7 +192,8 @@ def communicator_groups() -> list[dist.ProcessGroup]:
     (Megatron's optimizer gathers its param-group keys over it), the replica group (gradients, loss,
     state restore), the model-parallel group (grad norm) and the pipeline group (token count), plus
     the tensor-, context-parallel and embedding groups where they hold more than this rank (size-1
-    TP/CP groups are skipped by Megatron's layers)."""
+    TP/CP groups are skipped by Megatron's layers), and with expert parallelism the expert-parallel
+    and expert-data-parallel groups."""
     from megatron.core import parallel_state as ps
 
     groups = [dist.group.WORLD, replica_group(), ps.get_model_parallel_group(), ps.get_pipeline_model_parallel_group()]
@@ -200,6 +203,8 @@ def communicator_groups() -> list[dist.ProcessGroup]:
         groups.append(ps.get_context_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group(ignore_virtual=True):
         groups.append(ps.get_embedding_group())
+    if ps.get_expert_model_parallel_world_size() > 1:  # token dispatch, and the experts' gradients
+        groups.extend([ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group()])
     unique: dict[int, dist.ProcessGroup] = {}
     for g in groups:
         if g is not None:

@@ -1,5 +1,6 @@
 """Check restored state before training resumes: ranks agree on the step, and ranks holding the
-same model shard (a data-parallel group) hold bit-identical state.
+same model shard (a data-parallel group; with expert parallelism, its ranks of one expert-parallel
+rank) hold bit-identical state.
 
 The agreement goes through the epoch's store, not a collective: it needs no communicator (on NCCL
 each new one costs an init on the recovery path) and a rank that fails the check tells its peers
@@ -68,9 +69,11 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, i
             f" ({behind} peers disagree)"
         )
     check_step(plan, ts.step)
-    digests = {seen[r][1] for r in dp_peers}
+    # With expert parallelism a DP group holds ep shards of the experts: compare within a shard.
+    same_shard = [r for r in dp_peers if plan.sizes.shard_key(r) == plan.sizes.shard_key(rank)]
+    digests = {seen[r][1] for r in same_shard}
     if len(digests) > 1:
-        raise StateMismatch(f"epoch {plan.epoch}: DP group {dp_peers} holds {len(digests)} different states")
+        raise StateMismatch(f"epoch {plan.epoch}: DP group {same_shard} holds {len(digests)} different states")
     return checksum
 
 
