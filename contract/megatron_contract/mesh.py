@@ -39,6 +39,7 @@ class PlanReason(enum.StrEnum):
     SHRINK = "shrink"
     GROW = "grow"
     RESIZE = "resize"  # spec.replicas was lowered: whole replicas leave the mesh, no pod was lost
+    MIGRATE = "migrate"  # members leave nodes being drained (cordoned): a spare or DP peers take over
 
 
 class StateSourceKind(enum.StrEnum):

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -104,6 +104,7 @@ class JobController:
         nodes: Callable[[], dict[str, str]],
         token_key: bytes | None = None,
         node_labels: Callable[[str], Mapping[str, str]] | None = None,
+        draining: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self.job = job
         self.body = body  # kopf's live view of the job
@@ -113,6 +114,8 @@ class JobController:
         self.pods_of = pods_of
         self.nodes = nodes
         self.node_labels = node_labels or (lambda _: {})
+        self.draining = draining or (lambda: ())
+        self.drain_waiting: str | None = None  # the last "drain waits" said, so it is said once
         # Where the job's pods run (node, failure domain), kept a while after a pod is gone: a failed
         # pod's replacement is taken from another domain (planner.py).
         self.node_of: dict[str, str] = {}
@@ -402,6 +405,7 @@ class JobController:
             partition_hold=mono < self.partition_until,
             recently_down=self._recently_down(nodes, mono),
             placement=self.placement,
+            draining=self.draining(),
         )
         if a.partition is not None:
             self.partition_until = mono + PARTITION_HOLD_SECONDS
@@ -510,6 +514,25 @@ class JobController:
             )
             await self._delete((name, False) for name in a.retire)
             events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
+        if a.moved_off:
+            # Deleted by us rather than left to the drain: the budget refuses evicting a worker, and
+            # a spare's replacement should not wait for the drain's next retry.
+            self.retired.update(a.moved_off)
+            await asyncio.gather(
+                *(
+                    kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
+                    for name in a.moved_off
+                )
+            )
+            await self._delete((name, False) for name in a.moved_off)
+            events.append(
+                ("Normal", Reason.PODS_MOVED_OFF_NODES, f"deleted {', '.join(a.moved_off)}: their nodes are draining")
+            )
+        if a.drain_waiting != self.drain_waiting:
+            self.drain_waiting = a.drain_waiting
+            if a.drain_waiting is not None:
+                log.warning("%s/%s: %s", self.job.namespace, self.job.name, a.drain_waiting)
+                events.append(("Warning", Reason.DRAIN_WAITING, a.drain_waiting[:1024]))
         created = await self._create(spec, a.create_workers, a.create_spares, pods)
         if created:
             events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))

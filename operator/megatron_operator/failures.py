@@ -150,3 +150,20 @@ def node_ready_status(body: Mapping[str, Any]) -> str:
         if cond.get("type") == "Ready":
             return str(cond.get("status", "Unknown"))
     return "Unknown"
+
+
+# Taints the node lifecycle controller sets on NotReady nodes: those are failures (node_ready_status),
+# not maintenance.
+_NODE_HEALTH_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
+def node_draining(body: Mapping[str, Any]) -> bool:
+    """Whether a node is being taken out of service: cordoned (``kubectl cordon``, the first thing
+    ``kubectl drain`` does) or tainted NoExecute for maintenance. Its pods are moved off it at a
+    step boundary instead of being lost to the eviction."""
+    spec = body.get("spec") or {}
+    if spec.get("unschedulable"):
+        return True
+    return any(
+        t.get("effect") == "NoExecute" and t.get("key") not in _NODE_HEALTH_TAINTS for t in spec.get("taints") or []
+    )

@@ -18,7 +18,7 @@ from megatron_contract.agent import AgentReport
 from megatron_operator import metrics
 from megatron_operator.builders import JobRef
 from megatron_operator.controller import JobController
-from megatron_operator.failures import PodFacts, node_ready_status
+from megatron_operator.failures import PodFacts, node_draining, node_ready_status
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.push import PlanPusher
 from megatron_operator.reports import start_server
@@ -40,6 +40,7 @@ class Registry:
         self.pods_index: Any = None
         self.nodes_index: Any = None
         self.node_labels_index: Any = None
+        self.node_draining_index: Any = None
         self.runner: Any = None
 
     # ReportSink
@@ -67,6 +68,11 @@ class Registry:
         if self.nodes_index is None:
             return {}
         return {name: next(iter(store)) for name, store in self.nodes_index.items()}
+
+    def draining_nodes(self) -> set[str]:
+        if self.node_draining_index is None:
+            return set()
+        return {name for name, store in self.node_draining_index.items() if any(store)}
 
     def wake(self, namespace: str, name: str) -> None:
         ctl = self.by_key.get((namespace, name))
@@ -139,6 +145,12 @@ def node_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, dic
     return {name: dict(labels)}
 
 
+@kopf.index("nodes")
+def node_draining_state(name: str, body: kopf.Body, **_: Any) -> dict[str, bool]:
+    """Whether each node is cordoned or tainted for maintenance (failures.node_draining)."""
+    return {name: node_draining(body)}
+
+
 @kopf.on.event("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
 def pod_event(namespace: str | None, labels: Mapping[str, str], **kwargs: Any) -> None:
     REGISTRY.pods_index = kwargs["pods_by_job"]
@@ -163,6 +175,7 @@ def disruption_budget_event(type: str | None, namespace: str | None, labels: Map
 def node_event(type: str | None, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]
     REGISTRY.node_labels_index = kwargs["node_labels"]
+    REGISTRY.node_draining_index = kwargs["node_draining_state"]
     if type is not None:  # not the initial listing
         REGISTRY.wake_all()
 
@@ -173,6 +186,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
     REGISTRY.pods_index = kwargs["pods_by_job"]
     REGISTRY.nodes_index = kwargs["node_readiness"]
     REGISTRY.node_labels_index = kwargs["node_labels"]
+    REGISTRY.node_draining_index = kwargs["node_draining_state"]
     job = JobRef.of(body)
     key = (job.namespace, job.name)
     ctl = JobController(
@@ -185,6 +199,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
         nodes=REGISTRY.node_readiness,
         token_key=REGISTRY.token_key,
         node_labels=REGISTRY.labels_of_node,
+        draining=REGISTRY.draining_nodes,
     )
     REGISTRY.by_uid[job.uid] = ctl
     REGISTRY.by_key[key] = ctl

@@ -68,6 +68,11 @@ class Assessment:
             group of the epoch) or uncorroborated (the accused still reports, alone accused).
         partition: set when most of the job's nodes are NotReady at once: no pod is failed for
             its node's state alone, and this says so.
+        moved_off: pods on draining nodes that hold no rank any more (spares, or members whose
+            ranks moved and trained elsewhere): deleted, which lets a drain's eviction end.
+        drain_waiting: why members on a draining node stay where they are for now (too few pods
+            without them, or their state exists nowhere else); the drain waits (the job's
+            PodDisruptionBudget refuses their eviction).
     """
 
     failures: tuple[Failure, ...]
@@ -82,6 +87,8 @@ class Assessment:
     spares_ready: int = 0
     doubted: tuple[Accusation, ...] = ()
     partition: str | None = None
+    moved_off: tuple[str, ...] = ()
+    drain_waiting: str | None = None
 
     @property
     def plan(self) -> MeshPlan | None:
@@ -178,6 +185,7 @@ def assess(
     partition_hold: bool = False,
     recently_down: Collection[str] = (),
     placement: Mapping[str, Placement] | None = None,
+    draining: Collection[str] = (),
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -203,6 +211,11 @@ def assess(
             but fail no pod yet (nodes cut off together flip one by one).
         placement: node and failure domain of the job's pods, by name, failed and gone ones
             included when known: a failed pod is replaced from another domain when possible.
+        draining: nodes being drained (cordoned, or tainted NoExecute): their pods leave the job
+            without a failure. A member's ranks move to a spare (or the mesh shrinks around it) with
+            the state taken from its data-parallel peers (or the newest checkpoint where no peer
+            holds it), in a plan of reason ``migrate``; where its state exists nowhere else, it
+            stays and the drain waits.
     """
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
@@ -256,6 +269,8 @@ def assess(
     # Pods that may join a plan: running, and their agent said recently that its workers are warm.
     warm = set(signals.warm) if signals.warm is not None else set(ref)
     finishing = any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
+    leaving = {p.name for p in alive if p.node is not None and p.node in set(draining)}
+    drain_waiting: str | None = None
 
     decision: PlanDecision | None = None
     terminal: Terminal | None = None
@@ -263,7 +278,7 @@ def assess(
         # The first plan waits for the full mesh (starting small and growing at once costs a
         # re-mesh), but not forever: after the wait it takes the pods that run, if enough for
         # minReplicas, and grows as the rest arrive.
-        usable = [p for p in ready if p.name in warm]
+        usable = [p for p in ready if p.name in warm and p.name not in leaving]
         if len(usable) >= spec.worker_pods or (start_small and usable):
             workers = [ref[p.name] for p in usable if p.role == wire.ROLE_WORKER]
             spares = [ref[p.name] for p in usable if p.role != wire.ROLE_WORKER]
@@ -278,20 +293,27 @@ def assess(
         # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
         # trainers agree on their actual step at rendezvous (worker/verify.py).
         resume = signals.completed_step
-        decision = plan_mesh(
-            spec,
-            job_uid,
-            active,
-            spares,
-            failed,
-            plan,
-            resume_step=resume,
-            checkpoint_step=checkpoint_step,
-            store_hosts=signals.fresh,
-            previous_trained=status.committed_epoch >= plan.epoch,
-            retry=_abandoned(plan, signals, failed),
-            placement=placement,
-        )
+
+        def plan_without(away: Collection[str]) -> PlanDecision:
+            return plan_mesh(
+                spec,
+                job_uid,
+                [p for p in active if p.name not in away],
+                [p for p in spares if p.name not in away],
+                failed,
+                plan,
+                resume_step=resume,
+                checkpoint_step=checkpoint_step,
+                store_hosts=[h for h in signals.fresh if h not in away],
+                previous_trained=status.committed_epoch >= plan.epoch,
+                retry=_abandoned(plan, signals, failed),
+                placement=placement,
+            )
+
+        decision = plan_without(leaving)
+        moving = sorted(leaving & member_set)
+        if moving:
+            decision, drain_waiting = _migration(decision, plan_without(()), moving, set(failed))
         if settling and decision.outcome is not Outcome.UNCHANGED:
             decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
         # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
@@ -314,7 +336,9 @@ def assess(
     # its way). Before the first plan the missing workers are created as workers.
     target = spec.worker_pods + spec.spares
     on_the_way = [n for n in expected if n not in by_name]
-    deficit = max(0, target - len(alive) - len(on_the_way))
+    # Pods on draining nodes are going: their replacements are made now, on other nodes.
+    staying = [p for p in alive if p.name not in leaving]
+    deficit = max(0, target - len(staying) - len(on_the_way))
     create_workers = 0
     if plan is None and decision is None:
         worker_pods_alive = sum(1 for p in alive if p.role == wire.ROLE_WORKER)
@@ -331,15 +355,22 @@ def assess(
     in_force = decision.plan if decision is not None and decision.plan is not None else plan
     member_names = {m.pod for m in in_force.members} if in_force is not None else set()
     retire: tuple[str, ...] = ()
+    moved_off: tuple[str, ...] = ()
     if in_force is not None:
         # More pods than the mesh plus spares (spec.replicas or spec.spares lowered): the surplus
         # outside the plan goes, pods not yet ready first, then the newest.
-        surplus = len(alive) + len(on_the_way) - target
+        surplus = len(staying) + len(on_the_way) - target
         outside = sorted(
-            (p for p in alive if p.name not in member_names),
+            (p for p in staying if p.name not in member_names),
             key=lambda p: (health[p.name][0] is PodHealth.READY, -p.serial),
         )
         retire = tuple(p.name for p in outside[: max(0, surplus)])
+        # A pod on a draining node goes once it holds no rank and the plan in force has trained
+        # (until then a retry may still need a former member, or a spare).
+        if status.committed_epoch >= in_force.epoch:
+            moved_off = tuple(sorted(leaving - member_names))
+    else:
+        moved_off = tuple(sorted(leaving))
     ready_names = {p.name for p in ready}
     return Assessment(
         failures=tuple(failures),
@@ -351,10 +382,39 @@ def assess(
         retire=retire,
         terminal=terminal,
         ready_workers=len(member_names & ready_names),
-        spares_ready=len((ready_names & warm) - member_names),
+        spares_ready=len((ready_names & warm) - member_names - leaving),
         doubted=tuple(doubted),
         partition=partition,
+        moved_off=moved_off,
+        drain_waiting=drain_waiting,
     )
+
+
+def _migration(
+    away: PlanDecision, staying: PlanDecision, moving: Sequence[str], failed: Collection[str]
+) -> tuple[PlanDecision, str | None]:
+    """Decide whether members on draining nodes move now.
+
+    ``away`` is the planner's decision without them, ``staying`` the one with them. They move when
+    every rank of the new mesh keeps its state or takes it from a data-parallel peer (no step
+    redone) or, where no peer holds a shard, from the newest checkpoint (the steps since it are
+    redone: a drain must end). They stay, and the drain waits, when the mesh cannot be made without
+    them (below ``minReplicas``: a replacement is on its way) or when their state exists nowhere
+    else. A plan that only moves pods off drained nodes is a ``migrate``, not a recovery; one that
+    also replaces failed pods keeps the planner's reason.
+    """
+    plan = away.plan
+    if away.outcome is not Outcome.NEW_PLAN or plan is None:
+        return staying, f"{', '.join(moving)} stay on their draining nodes for now: {away.message}"
+    if StateSourceKind.INIT in plan.source_kinds():
+        why = "no spare, data-parallel peer or checkpoint can take their state"
+        return staying, f"{', '.join(moving)} stay on their draining nodes for now: {why}"
+    if set(away.lost) <= set(moving) and not set(away.lost) & set(failed):
+        plan = plan.model_copy(update={"reason": PlanReason.MIGRATE})
+        reload = " (from the newest checkpoint)" if StateSourceKind.CHECKPOINT in plan.source_kinds() else ""
+        message = f"migrate: {', '.join(moving)} leave draining nodes{reload}; " + away.message.split(": ", 1)[-1]
+        return dataclasses.replace(away, plan=plan, message=message), None
+    return away, None
 
 
 def _state_lost(status: MegatronJobStatus, plan: MeshPlan, new_plan: MeshPlan | None) -> Terminal | None:
@@ -489,4 +549,6 @@ def phase_of(plan: MeshPlan | None, trained: bool, waiting: bool, has_pods: bool
         return JobPhase.RECOVERING, Reason.GROWING
     if plan.reason is PlanReason.RESIZE:
         return JobPhase.RECOVERING, Reason.RESIZING
+    if plan.reason is PlanReason.MIGRATE:
+        return JobPhase.RECOVERING, Reason.MIGRATING
     return JobPhase.RECOVERING, Reason.RECOVERING

@@ -73,11 +73,11 @@ class OperatorSettings(BaseSettings):
         "when a pod cannot start for want of it, and recreates the Service as soon as it sees it deleted.",
     )
     disruption_budgets: bool = Field(
-        default=False,
+        default=True,
         description="Give each job a PodDisruptionBudget over its worker pods, so that no voluntary eviction "
-        "(a node drain) takes a worker. Off by default: the operator does not yet move a worker's ranks off a "
-        "draining node by itself, so with budgets a drain waits until the worker pod is deleted by hand; "
-        "without them an evicted worker is replaced like a failed one.",
+        "(a node drain) takes a worker behind the operator's back: the operator moves a worker's ranks off a "
+        "cordoned node itself, at a step boundary, then deletes the pod, and the drain ends. Without budgets an "
+        "evicted worker is lost like a failed one.",
     )
     crash_at: str | None = Field(
         default=None,

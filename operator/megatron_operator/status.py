@@ -30,6 +30,7 @@ class Reason:
     RECOVERING = "ReplacingFailedPods"
     GROWING = "GrowingMesh"
     RESIZING = "ResizingMesh"
+    MIGRATING = "MigratingOffDrainedNodes"
     BELOW_MIN_REPLICAS = "BelowMinReplicas"
     MESH_SHRUNK = "MeshShrunk"
     FULL_MESH = "FullMesh"
@@ -68,6 +69,8 @@ class Reason:
     RECOVERED = "Recovered"
     ACCUSATION_IGNORED = "PeerReportIgnored"
     NODES_PARTITIONED = "NodesNotReadyTogether"
+    PODS_MOVED_OFF_NODES = "PodsMovedOffDrainedNodes"
+    DRAIN_WAITING = "NodeDrainWaiting"
 
 
 EXCLUSIVE = (ConditionType.READY, ConditionType.RECOVERING, ConditionType.FAILED, ConditionType.SUCCEEDED)

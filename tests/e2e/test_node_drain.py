@@ -1,0 +1,87 @@
+"""End to end, all real: `kubectl drain` of a node that runs a member of a training job.
+
+The operator (subprocess; the job's PodDisruptionBudget is on by default) reconciles a job of two workers
+and a spare on process nodes (the trainer agent and Megatron-Core workers, CPU/gloo). Mid-run the
+node of a member is drained with kubectl: the cordon makes the operator move that member's ranks to
+the spare in a ``migrate`` plan (state from the data-parallel peer, in memory), the budget refuses
+evicting the member meanwhile, and once the new plan has trained the operator deletes the pod and
+the drain completes. Checked: the drain succeeds, the job made no recovery and recorded no failure,
+no step was committed twice (none redone) and each step consumed exactly its global batch, the
+drained node keeps no pod of the job, and the job succeeds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+from e2e_support import dump, job_status, make_elastic_job, process_nodes_fixture, submit, wait_for, wait_for_step
+
+from localcluster.chaos import check_history, read_samples
+from localcluster.cluster import LocalCluster
+from localcluster.jobs import GLOBAL_BATCH
+from localcluster.nodeagent import NodeAgent
+from localcluster.operator_run import running_operator
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+process_nodes = process_nodes_fixture(4, "drain")
+ITERS = 60
+
+
+def test_kubectl_drain_moves_a_member_to_the_spare_without_losing_a_step(
+    local_cluster: LocalCluster,
+    process_nodes: NodeAgent,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "operator.log"
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    show = partial(dump, local_cluster, namespace, log)
+    with running_operator(local_cluster, namespace, log):
+        submit(local_cluster, namespace, make_elastic_job("drain", pool="drain", train_iters=ITERS, samples=samples))
+        status = wait_for_step(local_cluster, namespace, "drain", 5, 300, show)
+        leaving = status["plan"]["members"][0]["pod"]
+        code, pod = local_cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/{leaving}")
+        assert code == 200, pod
+        node = pod["spec"]["nodeName"]
+
+        started = time.monotonic()
+        drain = subprocess.run(
+            [
+                *("kubectl", f"--kubeconfig={local_cluster.kubeconfig}", "drain", node),
+                *("--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        took = time.monotonic() - started
+        try:
+            assert drain.returncode == 0, f"kubectl drain failed:\n{drain.stdout}\n{drain.stderr}\n{show()}"
+            print(f"kubectl drain of {node} ({leaving}) completed in {took:.1f}s")
+            moved = job_status(local_cluster, namespace, "drain")
+            assert moved["plan"]["reason"] == "migrate" and leaving not in {
+                m["pod"] for m in moved["plan"]["members"]
+            }, show()
+            code, left = local_cluster.request(
+                "GET", f"/api/v1/namespaces/{namespace}/pods?fieldSelector=spec.nodeName%3D{node}"
+            )
+            assert code == 200 and left["items"] == [], show()
+
+            final = wait_for(
+                lambda: (s := job_status(local_cluster, namespace, "drain")).get("phase") == "Succeeded" and s,
+                300,
+                "the job to succeed",
+                details=show,
+            )
+        finally:
+            local_cluster.kubectl("uncordon", node, check=False)
+        assert final.get("recoveries", 0) == 0 and "lastFailure" not in final, final
+        problems, history, redone = check_history(read_samples(samples), ITERS, GLOBAL_BATCH, victims=set())
+        assert problems == [] and redone == [], (problems, redone)
+        assert max(history.values()) >= 2  # steps were committed after the move, in the new epoch
