@@ -60,8 +60,7 @@ async def _run(settings: OperatorSettings, elector: LeaderElector | None) -> Non
         health = await start_health_server(settings.report_host, settings.health_port)
     try:
         if elector is not None:
-            # In a thread: the loop stays free, so a standby answers its liveness probe meanwhile.
-            await asyncio.to_thread(elector.acquire)
+            await elector.acquire()  # a standby waits here, its loop free to answer liveness
         namespaces = settings.namespace_list
         logging.info("starting the operator (%s)", ", ".join(namespaces) if namespaces else "all namespaces")
         await kopf.operator(clusterwide=not namespaces, namespaces=namespaces, standalone=True)

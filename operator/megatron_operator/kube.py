@@ -226,10 +226,12 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 # -- leader election (coordination.k8s.io Lease), used before kopf starts --------------------------
 
 
-def read_lease(namespace: str, name: str) -> client.V1Lease | None:
-    """The Lease, or None when there is none."""
+def read_lease(namespace: str, name: str, timeout: float | None = None) -> client.V1Lease | None:
+    """The Lease, or None when there is none (``timeout``: seconds the request may take)."""
     try:
-        lease: client.V1Lease = client.CoordinationV1Api(configure()).read_namespaced_lease(name, namespace)
+        lease: client.V1Lease = client.CoordinationV1Api(configure()).read_namespaced_lease(
+            name, namespace, _request_timeout=timeout
+        )
         return lease
     except ApiException as exc:
         if exc.status == 404:
@@ -237,10 +239,10 @@ def read_lease(namespace: str, name: str) -> client.V1Lease | None:
         raise
 
 
-def create_lease(namespace: str, body: client.V1Lease) -> bool:
+def create_lease(namespace: str, body: client.V1Lease, timeout: float | None = None) -> bool:
     """Create the Lease; False when someone else created it first."""
     try:
-        client.CoordinationV1Api(configure()).create_namespaced_lease(namespace, body)
+        client.CoordinationV1Api(configure()).create_namespaced_lease(namespace, body, _request_timeout=timeout)
         return True
     except ApiException as exc:
         if exc.status == 409:
@@ -248,10 +250,10 @@ def create_lease(namespace: str, body: client.V1Lease) -> bool:
         raise
 
 
-def replace_lease(namespace: str, name: str, body: client.V1Lease) -> bool:
+def replace_lease(namespace: str, name: str, body: client.V1Lease, timeout: float | None = None) -> bool:
     """Replace the Lease at the resourceVersion it carries; False on conflict (someone else wrote)."""
     try:
-        client.CoordinationV1Api(configure()).replace_namespaced_lease(name, namespace, body)
+        client.CoordinationV1Api(configure()).replace_namespaced_lease(name, namespace, body, _request_timeout=timeout)
         return True
     except ApiException as exc:
         if exc.status == 409:

@@ -55,15 +55,15 @@ def test_healthz_fails_while_the_event_loop_is_stuck(loop: asyncio.AbstractEvent
 
 
 class _WaitingElector:
-    """Stands in for a standby's LeaderElector: ``acquire`` blocks until told, then fails."""
+    """Stands in for a standby's LeaderElector: ``acquire`` waits until told, then fails."""
 
     def __init__(self) -> None:
         self.waiting = threading.Event()
         self.give_up = threading.Event()
 
-    def acquire(self) -> None:
+    async def acquire(self) -> None:
         self.waiting.set()
-        self.give_up.wait(30)
+        await asyncio.to_thread(self.give_up.wait, 30)
         raise RuntimeError("test: never leads")
 
 
