@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from kubernetes import client
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_result, wait_fixed
 
 from megatron_operator import kube
 
@@ -129,17 +130,24 @@ class LeaderElector:
 
         Each attempt runs in a thread, so the event loop stays free (a standby answers its liveness
         probe); an API server that does not answer is tried again, not fatal."""
+
         announced = False
-        while True:
-            try:
-                if await asyncio.to_thread(self.try_acquire):
-                    break
-            except Exception as exc:
+
+        def waiting(state: RetryCallState) -> None:
+            nonlocal announced
+            assert state.outcome is not None
+            if state.outcome.failed:
+                exc = state.outcome.exception()
                 log.warning("could not read or take the lease %s/%s: %s", self.namespace, self.name, exc)
-            if not announced:
+            elif not announced:
                 log.info("waiting for leadership (lease %s/%s) as %s", self.namespace, self.name, self.identity)
                 announced = True
-            await asyncio.sleep(self.retry_seconds)
+
+        await AsyncRetrying(
+            retry=retry_if_result(lambda taken: not taken) | retry_if_exception_type(Exception),
+            wait=wait_fixed(self.retry_seconds),
+            before_sleep=waiting,
+        )(asyncio.to_thread, self.try_acquire)
         log.info("acquired leadership (lease %s/%s) as %s", self.namespace, self.name, self.identity)
         self._thread = threading.Thread(target=self._renew, name="leader-renew", daemon=True)
         self._thread.start()

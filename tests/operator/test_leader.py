@@ -4,13 +4,16 @@ Scenarios: a standby takes a Lease only after its record stayed unchanged for th
 on the standby's own clock, whatever the holder's ``renewTime`` says (written by a clock far behind,
 or far ahead, of the standby's); a holder that keeps renewing is never taken over; a free or
 released Lease is taken at once and counts a transition; a leader steps down when it has not renewed
-for its renew deadline (a margin short of the duration) or when another replica holds the Lease.
+for its renew deadline (a margin short of the duration) or when another replica holds the Lease;
+``acquire`` waits through API errors and a live holder, and ``release`` gives the Lease back.
 The real API server and processes: tests/integration/test_operator_faults.py (failover).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import time
 from typing import Any
 
 import pytest
@@ -155,3 +158,34 @@ def test_expiry_clock_restarts_on_every_change() -> None:
     assert not expiry.expired(10, 9.0) and expiry.expired(10, 10.5)
     expiry.observe(("a", None, UTC_NOW + dt.timedelta(seconds=1), 10, 0), 10.5)
     assert not expiry.expired(10, 20.0) and expiry.expired(10, 20.6)
+
+
+def test_acquire_waits_through_api_errors_and_a_live_holder(
+    leases: FakeLeases, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The real wait, on the real monotonic clock: an API server down at first, then a holder that
+    stopped renewing; the Lease is taken one duration after it was first seen, then given back."""
+    read = leases.read
+    failures = iter([ConnectionError("API server down")])
+
+    def flaky_read(namespace: str, name: str, timeout: float | None = None) -> client.V1Lease | None:
+        for exc in failures:
+            raise exc
+        return read(namespace, name, timeout)
+
+    monkeypatch.setattr(kube, "read_lease", flaky_read)
+    leases.hold("dead-leader", UTC_NOW)
+    leases.lease.spec.lease_duration_seconds = 1  # type: ignore[union-attr]
+    standby = LeaderElector(NS, NAME, "standby", lease_seconds=1.0)
+    caplog.set_level("INFO", logger="megatron_operator.leader")
+    started = time.monotonic()
+    asyncio.run(standby.acquire())
+    try:
+        assert leases.holder == "standby"
+        assert 1.0 < time.monotonic() - started < 10
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("API server down" in m for m in messages) == 1
+        assert sum("waiting for leadership" in m for m in messages) == 1
+    finally:
+        standby.release()
+    assert leases.holder is None
