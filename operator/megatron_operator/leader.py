@@ -78,12 +78,13 @@ class LeaderElector:
         self.name = name
         self.identity = identity
         self.lease_seconds = lease_seconds
-        #: Renewals come this often; each API call gets as long.
+        #: Tries come this often; each API call may take as long.
         self.retry_seconds = max(0.2, lease_seconds / 5)
-        #: Past this without a renewal the leader steps down; with a call of ``retry_seconds`` still
-        #: in flight it is gone by ~0.87 of the Lease duration.
+        #: Past this without a renewal the leader steps down (a renewal's calls are cut short so as
+        #: to end by then): a third of the duration is left as margin.
         self.renew_deadline = lease_seconds * 2 / 3
         self.holder: str | None = None  # the holder the last read saw
+        self.renewed_at = 0.0  # when the last successful take or renewal started (our clock)
         self._clock = clock
         self._expiry = ExpiryClock()
         self._stop = threading.Event()
@@ -99,10 +100,10 @@ class LeaderElector:
             lease_transitions=transitions,
         )
 
-    def try_acquire(self) -> bool:
-        """One attempt to take or renew the Lease."""
+    def try_acquire(self, timeout: float | None = None) -> bool:
+        """One attempt to take or renew the Lease; each API call may take ``timeout`` seconds."""
         now = self._clock()
-        timeout = self.retry_seconds
+        timeout = timeout or self.retry_seconds
         lease = kube.read_lease(self.namespace, self.name, timeout)
         if lease is None:
             spec = self._spec(None, 0)
@@ -121,7 +122,7 @@ class LeaderElector:
             lease.spec = spec
             taken = kube.replace_lease(self.namespace, self.name, lease, timeout)
         if taken:
-            self.holder = self.identity
+            self.holder, self.renewed_at = self.identity, now
             self._expiry.observe(_record(spec), now)
         return taken
 
@@ -152,28 +153,32 @@ class LeaderElector:
         self._thread = threading.Thread(target=self._renew, name="leader-renew", daemon=True)
         self._thread.start()
 
-    def must_step_down(self, last_renewed: float, now: float) -> bool:
-        """Whether a leader that last renewed at ``last_renewed`` (when that attempt started) must
-        stop acting: another replica holds the Lease, or a standby may soon see it expire."""
+    def must_step_down(self, now: float) -> bool:
+        """Whether the leader must stop acting: another replica holds the Lease, or it has not
+        renewed for ``renew_deadline`` (counted from when its last successful renewal started,
+        before which no standby can have seen that renewal)."""
         lost = self.holder is not None and self.holder != self.identity
-        return lost or now - last_renewed > self.renew_deadline
+        return lost or now - self.renewed_at > self.renew_deadline
 
     def _renew(self) -> None:
-        last_renewed = self._clock()
-        while not self._stop.wait(self.retry_seconds):
-            started = self._clock()
-            try:
-                if self.try_acquire():
-                    last_renewed = started
-                    continue
-            except Exception:
-                log.exception("could not renew the lease %s/%s", self.namespace, self.name)
-            if self._stop.is_set() or not self.must_step_down(last_renewed, self._clock()):
+        while True:
+            left = self.renewed_at + self.renew_deadline - self._clock()
+            if self._stop.wait(min(self.retry_seconds, max(0.0, left))):
+                return
+            left = self.renewed_at + self.renew_deadline - self._clock()
+            if left > 0:
+                try:
+                    # Two calls (read, replace), each cut short to end by the deadline.
+                    if self.try_acquire(timeout=min(self.retry_seconds, left / 2)):
+                        continue
+                except Exception:
+                    log.exception("could not renew the lease %s/%s", self.namespace, self.name)
+            if self._stop.is_set() or not self.must_step_down(self._clock()):
                 continue
             if self.holder != self.identity:
                 log.error("lost the lease %s/%s to %s; exiting", self.namespace, self.name, self.holder)
             else:
-                log.error("lease not renewed for %.1f s; exiting", self._clock() - last_renewed)
+                log.error("lease not renewed for %.1f s; exiting", self._clock() - self.renewed_at)
             logging.shutdown()
             os._exit(3)
 

@@ -5,7 +5,8 @@ on the standby's own clock, whatever the holder's ``renewTime`` says (written by
 or far ahead, of the standby's); a holder that keeps renewing is never taken over; a free or
 released Lease is taken at once and counts a transition; a leader steps down when it has not renewed
 for its renew deadline (a margin short of the duration) or when another replica holds the Lease;
-``acquire`` waits through API errors and a live holder, and ``release`` gives the Lease back.
+``acquire`` waits through API errors and a live holder, and ``release`` gives the Lease back; a
+leader whose API server stops answering exits before its Lease could expire.
 The real API server and processes: tests/integration/test_operator_faults.py (failover).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 import time
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 from kubernetes import client
 
 from megatron_operator import kube
+from megatron_operator import leader as leader_module
 from megatron_operator.leader import ExpiryClock, LeaderElector
 
 NS, NAME = "ops", "megatron-operator"
@@ -136,18 +139,17 @@ def test_the_leader_renews_and_steps_down_before_a_standby_may_take_over(leases:
     clock = Clock()
     leader = _elector("leader", clock)
     assert leader.try_acquire()
-    renewed = clock.now
     clock.now += 2
     assert leader.try_acquire()  # a renewal keeps acquireTime and counts no transition
     assert leases.lease is not None and leases.lease.spec.lease_transitions == 0
-    renewed = clock.now
-    assert not leader.must_step_down(renewed, clock.now + leader.renew_deadline - 0.1)
-    assert leader.must_step_down(renewed, clock.now + leader.renew_deadline + 0.1)
-    assert leader.renew_deadline + leader.retry_seconds < leader.lease_seconds  # the margin
+    assert leader.renewed_at == clock.now
+    assert not leader.must_step_down(clock.now + leader.renew_deadline - 0.1)
+    assert leader.must_step_down(clock.now + leader.renew_deadline + 0.1)
+    assert leader.renew_deadline < leader.lease_seconds * 0.7  # the margin
     # Another replica took the Lease (say, this one was paused): step down at once.
     leases.hold("other", UTC_NOW, transitions=1)
     assert not leader.try_acquire()
-    assert leader.must_step_down(renewed, clock.now)
+    assert leader.must_step_down(clock.now)
 
 
 def test_expiry_clock_restarts_on_every_change() -> None:
@@ -189,3 +191,30 @@ def test_acquire_waits_through_api_errors_and_a_live_holder(
     finally:
         standby.release()
     assert leases.holder is None
+
+
+def test_a_leader_that_cannot_renew_exits_before_the_lease_expires(
+    leases: FakeLeases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renew thread, on the real clock, against an API server that stopped answering."""
+    leader = LeaderElector(NS, NAME, "leader", lease_seconds=3.0)
+    assert leader.try_acquire()
+
+    def down(*_: Any, **__: Any) -> None:
+        raise ConnectionError("API server down")
+
+    exited = threading.Event()
+
+    def fake_exit(code: int) -> None:
+        exited.set()
+        leader._stop.set()  # ends the renew thread, as os._exit would end the process
+
+    monkeypatch.setattr(kube, "read_lease", down)
+    monkeypatch.setattr(leader_module.os, "_exit", fake_exit)
+    monkeypatch.setattr(leader_module.logging, "shutdown", lambda: None)
+    thread = threading.Thread(target=leader._renew, daemon=True)
+    thread.start()
+    assert exited.wait(10)
+    gone_after = time.monotonic() - leader.renewed_at
+    thread.join(5)
+    assert leader.renew_deadline <= gone_after < leader.lease_seconds, gone_after
