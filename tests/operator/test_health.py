@@ -45,7 +45,7 @@ def test_healthz_fails_while_the_event_loop_is_stuck(loop: asyncio.AbstractEvent
     runner = asyncio.run_coroutine_threadsafe(start_health_server("127.0.0.1", port), loop).result(10)
     try:
         assert _get(port, timeout=5) == 200
-        loop.call_soon_threadsafe(time.sleep, 3.0)  # a blocking call on the loop: it is stuck
+        loop.call_soon_threadsafe(time.sleep, 5.0)  # a blocking call on the loop: it is stuck
         time.sleep(0.2)
         with pytest.raises((TimeoutError, urllib.error.URLError)):
             _get(port, timeout=1.0)
