@@ -87,8 +87,9 @@ ALIVE_SECONDS = 0.25
 _SAYS_ALIVE = frozenset({WorkerState.SPARE, WorkerState.RECONFIGURING, WorkerState.TRAINING, WorkerState.WAITING})
 
 #: Where gloo's TCP transport throws from. gloo's errors reach Python as a plain RuntimeError (torch
-#: 2.11 types only c10d's own: NCCL errors and timeouts are DistBackendError, store and socket errors
-#: DistStoreError and DistNetworkError), so this one case is told by the source location gloo puts
+#: 2.11 types only c10d's own: NCCL errors and timeouts are DistBackendError, e.g. "NCCL communicator
+#: was aborted on rank 0." from any collective after an abort, seen on an H200; store and socket
+#: errors DistStoreError and DistNetworkError), so this one case is told by the source location gloo puts
 #: first in its message. Measured with real gloo processes: a SIGKILLed or exited peer gives
 #: "[.../gloo/transport/tcp/pair.cc:538] Read error ...: Connection reset by peer", a connection
 #: shut down (abort.close_gloo_connections, or the peer freeing its groups) "[.../pair.cc:547]
