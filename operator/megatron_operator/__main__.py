@@ -1,4 +1,4 @@
-"""``python -m megatron_operator``: elect a leader, then run the kopf operator.
+"""``python -m megatron_operator``: serve liveness, elect a leader, then run the kopf operator.
 
 Configuration comes from the environment (:mod:`.settings`); ``KUBECONFIG`` or the in-cluster
 service account gives the credentials.
@@ -15,6 +15,7 @@ import sys
 import kopf
 
 from megatron_operator import handlers, kube
+from megatron_operator.health import start_health_server
 from megatron_operator.leader import LeaderElector
 from megatron_operator.settings import ENV_TOKEN_KEY_FILE, OperatorSettings
 from megatron_operator.token import TokenKeyError, read_key
@@ -44,21 +45,28 @@ def main(argv: list[str] | None = None) -> int:
     if settings.leader_election:
         identity = settings.identity or f"{socket.gethostname()}-{os.getpid()}"
         elector = LeaderElector(settings.lease_namespace, settings.lease_name, identity, settings.lease_seconds)
-        elector.acquire()
-    namespaces = settings.namespace_list
-    logging.info("starting the operator (%s)", ", ".join(namespaces) if namespaces else "all namespaces")
     try:
-        asyncio.run(
-            kopf.operator(
-                clusterwide=not namespaces,
-                namespaces=namespaces,
-                standalone=True,
-            )
-        )
+        asyncio.run(_run(settings, elector))
     finally:
         if elector is not None:
             elector.release()
     return 0
+
+
+async def _run(settings: OperatorSettings, elector: LeaderElector | None) -> None:
+    """Serve liveness, wait for the Lease, then run kopf, all on one event loop."""
+    health = None
+    if settings.health_port is not None:
+        health = await start_health_server(settings.report_host, settings.health_port)
+    try:
+        if elector is not None:
+            await elector.acquire()  # a standby waits here, its loop free to answer liveness
+        namespaces = settings.namespace_list
+        logging.info("starting the operator (%s)", ", ".join(namespaces) if namespaces else "all namespaces")
+        await kopf.operator(clusterwide=not namespaces, namespaces=namespaces, standalone=True)
+    finally:
+        if health is not None:
+            await health.cleanup()
 
 
 if __name__ == "__main__":

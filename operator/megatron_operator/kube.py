@@ -3,8 +3,9 @@
 Calls go through the official (synchronous) client on a bounded thread pool, so the kopf event
 loop never blocks. The status is replaced with a server-side JSON Patch (it cannot conflict with
 changes to the rest of the job); the pod-serial reservation, a read-modify-write, carries the
-resourceVersion it read and is retried on 409 with a fresh read; creates are idempotent
-(AlreadyExists is success) so that a restarted operator can repeat them. The job's Service and
+resourceVersion it read and is retried on 409 with a fresh read (tenacity: the operator's one
+retry mechanism); creates are idempotent (AlreadyExists is success) so that a restarted operator
+can repeat them. The job's Service and
 token Secret are server-side applied: one request creates a missing one or restores a changed one,
 and the operator never reads a Secret.
 """
@@ -23,6 +24,7 @@ from typing import Any, TypeVar, cast
 import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt
 
 from megatron_contract import wire
 from megatron_operator.builders import ANNOTATION_NEXT_SERIAL
@@ -181,13 +183,19 @@ async def write_conditions(namespace: str, name: str, conditions: list[dict[str,
     )
 
 
+def _is_conflict(exc: BaseException) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 409
+
+
 async def reserve_serials(namespace: str, name: str, count: int, floor: int) -> int:
     """Reserve ``count`` pod serial numbers on the job; returns the first.
 
     The reservation is written before any pod is created, so a restarted operator never gives two
     pods the same name; ``floor`` (one above the highest serial seen) guards against a lost write.
+    A write that conflicts (the job changed since the read) is tried again with a fresh read.
     """
-    for attempt in range(CONFLICT_RETRIES):
+
+    async def reserve() -> int:
         job = await get_job(namespace, name)
         annotations = job["metadata"].get("annotations") or {}
         start = max(int(annotations.get(ANNOTATION_NEXT_SERIAL, "0")), floor)
@@ -197,22 +205,22 @@ async def reserve_serials(namespace: str, name: str, count: int, floor: int) -> 
                 "annotations": {ANNOTATION_NEXT_SERIAL: str(start + count)},
             }
         }
-        try:
-            await _call(
-                _custom().patch_namespaced_custom_object,
-                wire.GROUP,
-                wire.VERSION,
-                namespace,
-                wire.PLURAL,
-                name,
-                patch,
-            )
-            return start
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            log.info("serial reservation on %s/%s conflicted (attempt %d); retrying", namespace, name, attempt + 1)
-    raise KubeError(f"serials of {namespace}/{name}: still conflicting after {CONFLICT_RETRIES} attempts")
+        await _call(
+            _custom().patch_namespaced_custom_object, wire.GROUP, wire.VERSION, namespace, wire.PLURAL, name, patch
+        )
+        return start
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(_is_conflict),
+        stop=stop_after_attempt(CONFLICT_RETRIES),
+        before_sleep=lambda state: log.info(
+            "serial reservation on %s/%s conflicted (attempt %d); retrying", namespace, name, state.attempt_number
+        ),
+    )
+    try:
+        return await retrying(reserve)
+    except RetryError as exc:
+        raise KubeError(f"serials of {namespace}/{name}: still conflicting after {CONFLICT_RETRIES} attempts") from exc
 
 
 def post_event(body: Any, type_: str, reason: str, message: str) -> None:
@@ -226,10 +234,12 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 # -- leader election (coordination.k8s.io Lease), used before kopf starts --------------------------
 
 
-def read_lease(namespace: str, name: str) -> client.V1Lease | None:
-    """The Lease, or None when there is none."""
+def read_lease(namespace: str, name: str, timeout: float | None = None) -> client.V1Lease | None:
+    """The Lease, or None when there is none (``timeout``: seconds the request may take)."""
     try:
-        lease: client.V1Lease = client.CoordinationV1Api(configure()).read_namespaced_lease(name, namespace)
+        lease: client.V1Lease = client.CoordinationV1Api(configure()).read_namespaced_lease(
+            name, namespace, _request_timeout=timeout
+        )
         return lease
     except ApiException as exc:
         if exc.status == 404:
@@ -237,10 +247,10 @@ def read_lease(namespace: str, name: str) -> client.V1Lease | None:
         raise
 
 
-def create_lease(namespace: str, body: client.V1Lease) -> bool:
+def create_lease(namespace: str, body: client.V1Lease, timeout: float | None = None) -> bool:
     """Create the Lease; False when someone else created it first."""
     try:
-        client.CoordinationV1Api(configure()).create_namespaced_lease(namespace, body)
+        client.CoordinationV1Api(configure()).create_namespaced_lease(namespace, body, _request_timeout=timeout)
         return True
     except ApiException as exc:
         if exc.status == 409:
@@ -248,10 +258,10 @@ def create_lease(namespace: str, body: client.V1Lease) -> bool:
         raise
 
 
-def replace_lease(namespace: str, name: str, body: client.V1Lease) -> bool:
+def replace_lease(namespace: str, name: str, body: client.V1Lease, timeout: float | None = None) -> bool:
     """Replace the Lease at the resourceVersion it carries; False on conflict (someone else wrote)."""
     try:
-        client.CoordinationV1Api(configure()).replace_namespaced_lease(name, namespace, body)
+        client.CoordinationV1Api(configure()).replace_namespaced_lease(name, namespace, body, _request_timeout=timeout)
         return True
     except ApiException as exc:
         if exc.status == 409:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
+from megatron_operator.health import HEALTH_PATH, healthz
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def build_app(sink: ReportSink) -> web.Application:
-    """The aiohttp application serving the report endpoint (and a health check)."""
+    """The aiohttp application serving the report endpoint (and ``/healthz``, for readiness)."""
 
     async def reports(request: web.Request) -> web.Response:
         token = _bearer(request)
@@ -66,12 +67,9 @@ def build_app(sink: ReportSink) -> web.Application:
         epoch = sink.accept_reports(job_uid, batch)
         return web.json_response({"epoch": epoch, "accepted": len(batch)})
 
-    async def healthz(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES)
     app.router.add_post(wire.OPERATOR_REPORT_PATH, reports)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_get(HEALTH_PATH, healthz)  # the readiness probe: only the leader serves reports
     return app
 
 

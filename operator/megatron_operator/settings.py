@@ -25,6 +25,7 @@ ENV_IDENTITY = f"{ENV_PREFIX}IDENTITY"
 ENV_RESYNC_SECONDS = f"{ENV_PREFIX}RESYNC_SECONDS"
 ENV_PUSH_TIMEOUT = f"{ENV_PREFIX}PUSH_TIMEOUT_SECONDS"
 ENV_METRICS_PORT = f"{ENV_PREFIX}METRICS_PORT"
+ENV_HEALTH_PORT = f"{ENV_PREFIX}HEALTH_PORT"
 ENV_FULL_MESH_WAIT = f"{ENV_PREFIX}FULL_MESH_WAIT_SECONDS"
 ENV_CRASH_AT = f"{ENV_PREFIX}CRASH_AT"
 ENV_TOKEN_KEY_FILE = f"{ENV_PREFIX}TOKEN_KEY_FILE"
@@ -43,7 +44,7 @@ class OperatorSettings(BaseSettings):
         default=f"http://megatron-operator.megatron-system.svc:{OPERATOR_REPORT_PORT}",
         description="URL at which trainer agents reach the operator's report endpoint.",
     )
-    report_host: str = Field(default="0.0.0.0", description="Address the report endpoint binds.")
+    report_host: str = Field(default="0.0.0.0", description="Address the report and liveness endpoints bind.")
     report_port: int = Field(default=OPERATOR_REPORT_PORT, ge=0, le=65535, description="Report endpoint port.")
     leader_election: bool = Field(default=True, description="Act only while holding the Lease.")
     lease_name: str = Field(default="megatron-operator", description="Name of the leader-election Lease.")
@@ -53,6 +54,13 @@ class OperatorSettings(BaseSettings):
     resync_seconds: float = Field(default=5.0, gt=0, description="Longest time a job goes without a reconcile.")
     push_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one plan push to one agent.")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; off when unset.")
+    health_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the liveness endpoint (GET /healthz, answered by the event loop; served from "
+        "before leader election, so standbys answer too); off when unset.",
+    )
     full_mesh_wait_seconds: float = Field(
         default=600.0,
         ge=0,

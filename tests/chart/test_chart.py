@@ -96,6 +96,21 @@ def test_env_names_are_the_operator_settings(helm: Path) -> None:
     assert names <= known, f"chart sets variables the operator does not read: {sorted(names - known)}"
 
 
+def test_liveness_probe_asks_the_event_loop(helm: Path) -> None:
+    """Liveness is an HTTP GET on the health port's /healthz (answered by the event loop, standbys
+    included), not a TCP check; readiness is the report endpoint's /healthz (the leader's alone)."""
+    [deploy] = [d for d in render(helm, "health.port=9123", "health.timeoutSeconds=4") if d["kind"] == "Deployment"]
+    [container] = deploy["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert ports["health"] == 9123 and env["MEGATRON_OPERATOR_HEALTH_PORT"] == "9123"
+    liveness, readiness = container["livenessProbe"], container["readinessProbe"]
+    assert "tcpSocket" not in liveness and "tcpSocket" not in readiness
+    assert liveness["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert liveness["timeoutSeconds"] == 4
+    assert readiness["httpGet"] == {"path": "/healthz", "port": "reports"}
+
+
 def test_monitoring_objects_only_when_enabled(helm: Path) -> None:
     kinds = {d["kind"] for d in render(helm)}
     assert not kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}

@@ -4,8 +4,9 @@ Scenarios:
 - the operator is SIGKILLed in the middle of a recovery (right after the plan is stored, after it
   is pushed, or after the replacement spare is created); a new operator process completes that
   recovery from status: the same epoch is pushed, no second plan is made, no pod is created twice;
-- two operator replicas: only the Lease holder acts; when it is killed the standby takes over
-  after the Lease expires and handles the next failure;
+- two operator replicas: only the Lease holder acts (the standby answers its liveness probe
+  meanwhile); when it is killed the standby takes over after the Lease expires and handles the
+  next failure;
 - status writes keep converging while another client keeps changing the job (write conflicts).
 The operators' logs and the namespace's objects are printed when a test fails.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_harness import Harness, harness_for_test
+from operator_harness import Harness, free_port, harness_for_test
 from test_operator_cluster import JOB, T, _start
 
 from localcluster.waiting import wait_for
@@ -79,8 +81,11 @@ def test_only_the_lease_holder_acts_and_standby_takes_over(h: Harness) -> None:
     h.add_nodes(1)
     leader = h.start_operator(MEGATRON_OPERATOR_IDENTITY="leader")
     wait_for(lambda: _lease_holder(h) == "leader", T, "leader elected")
-    standby = h.start_operator(MEGATRON_OPERATOR_IDENTITY="standby")
+    health_port = free_port()
+    standby = h.start_operator(MEGATRON_OPERATOR_IDENTITY="standby", MEGATRON_OPERATOR_HEALTH_PORT=str(health_port))
     wait_for(lambda: "waiting for leadership" in standby.log_text(), T, "standby waiting")
+    with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz", timeout=10) as alive:
+        assert alive.status == 200  # a standby is alive: its liveness probe must not restart it
     h.submit(replicas=2, spares=1, min_replicas=1)
     status = h.wait_running(1)
     assert _lease_holder(h) == "leader"

@@ -10,8 +10,18 @@ import argparse
 import contextlib
 import logging
 import sys
+import traceback
+from pathlib import Path
 
 from megatron_trainer.worker.settings import WorkerSettings, apply_nccl_defaults
+
+
+def failure_detail(err: BaseException) -> str:
+    """What the worker reports when it fails: the error and where it was raised (the whole
+    traceback goes to the log)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{type(err).__name__}{where}: {err}"[:1000]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker.run()
     except Exception as err:
         logging.getLogger("megatron_trainer.worker").exception("worker failed")
-        detail = f"{type(err).__name__}: {err}"[:1000]
+        detail = failure_detail(err)
         with contextlib.suppress(OSError):
             channel.send(WorkerStatus(state="failed", epoch=worker.epoch, detail=detail))
         return 1
