@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -504,27 +504,12 @@ class JobController:
         # (3) failed pods go; new pods come (names reserved first); labels follow the plan.
         await self._delete(a.delete)
         if a.retire:
-            self.retired.update(a.retire)
-            # The label first: an operator restarted before the pods are gone still knows them.
-            await asyncio.gather(
-                *(
-                    kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
-                    for name in a.retire
-                )
-            )
-            await self._delete((name, False) for name in a.retire)
+            await self._retire(a.retire)
             events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
         if a.moved_off:
             # Deleted by us rather than left to the drain: the budget refuses evicting a worker, and
             # a spare's replacement should not wait for the drain's next retry.
-            self.retired.update(a.moved_off)
-            await asyncio.gather(
-                *(
-                    kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
-                    for name in a.moved_off
-                )
-            )
-            await self._delete((name, False) for name in a.moved_off)
+            await self._retire(a.moved_off)
             events.append(
                 ("Normal", Reason.PODS_MOVED_OFF_NODES, f"deleted {', '.join(a.moved_off)}: their nodes are draining")
             )
@@ -725,6 +710,18 @@ class JobController:
                     )
                 )
         return events
+
+    async def _retire(self, names: Sequence[str]) -> None:
+        """Delete healthy pods the job no longer needs (not failures)."""
+        self.retired.update(names)
+        # The label first: an operator restarted before the pods are gone still knows them.
+        await asyncio.gather(
+            *(
+                kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
+                for name in names
+            )
+        )
+        await self._delete((name, False) for name in names)
 
     async def _delete(self, doomed: Iterable[tuple[str, bool]]) -> None:
         await asyncio.gather(*(kube.delete_pod(self.job.namespace, name, force=force) for name, force in doomed))

@@ -5,15 +5,12 @@ checkpoint redone by the other two, and the ratios taken against the cold restar
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmark_runs import run_benchmark
+
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -21,21 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_in_place_and_cold_restart_arms_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "restart.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "restart_vs_in_place.py"),
-            *("--gpus", "2", "--interval", "6", "--steps-after", "3", "--out", str(out)),
-            *TINY,
-        ],
-        cwd=REPO,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"},
-        capture_output=True,
-        text=True,
-        timeout=540,
+    result = run_benchmark(
+        "restart_vs_in_place.py", out, *("--gpus", "2", "--interval", "6", "--steps-after", "3"), *TINY, cpu=True
     )
-    assert done.returncode == 0, f"restart_vs_in_place.py failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
-    peer, warm, cold = json.loads(out.read_text())["arms"]
+    peer, warm, cold = result["arms"]
     assert peer["arm"].startswith("in place, from a DP peer") and peer["steps_redone"] == 0
     for arm in (warm, cold):
         # Killed inside the step after --steps-after more steps: those, and the one in flight, are redone

@@ -8,15 +8,12 @@ its windows and thawed for the next, and every arm reports its measured steps an
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmark_runs import run_benchmark
+
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "8", "--seq", "32", "--vocab", "256"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -24,22 +21,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_plain_loop_and_worker_alternate_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "steady.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "steady_state.py"),
-            *("--gpus", "2", "--configs", "gpt", "--decompose"),
-            *("--rounds", "2", "--warmup", "2", "--steps", "3", "--out", str(out)),
-            *TINY,
-        ],
-        cwd=REPO,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"},
-        capture_output=True,
-        text=True,
-        timeout=540,
+    result = run_benchmark(
+        "steady_state.py",
+        out,
+        *("--gpus", "2", "--configs", "gpt", "--decompose"),
+        *("--rounds", "2", "--warmup", "2", "--steps", "3"),
+        *TINY,
+        cpu=True,
     )
-    assert done.returncode == 0, f"steady_state.py failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
-    (config,) = json.loads(out.read_text())["configs"]
+    (config,) = result["configs"]
     assert config["config"] == "gpt" and config["gpus"] == 2
     windows = config["windows"]
     # Two rounds of three arms, alternating order; every window measured its three steps.

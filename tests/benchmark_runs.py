@@ -1,0 +1,29 @@
+"""Running a benchmark script from a test: the scripts in ``benchmarks/`` are checked at a small
+size (on CPU processes with gloo, or on GPUs where there are some) through the JSON they write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, out: Path, *args: str, cpu: bool = False, timeout: float = 540) -> Any:
+    """Run ``benchmarks/<script>`` with ``args`` and ``--out out``; fail with its output when it
+    fails; return what it wrote. ``cpu`` hides any GPU (gloo processes)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
+    return json.loads(out.read_text())
