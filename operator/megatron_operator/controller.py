@@ -361,6 +361,7 @@ class JobController:
             unhealthy=self.book.self_reported_failed(self.job.uid, watched),
             accusations=self.book.accusations(self.job.uid, plan.epoch) if plan is not None else (),
             completed_step=self.book.completed_step(self.job.uid, members),
+            step_seconds=self.book.step_seconds(self.job.uid, members),
             all_succeeded=self.book.succeeded(self.job.uid, members),
             warm=self.book.warm(self.job.uid, watched, fresh_age, mono),
             fresh=reporting,

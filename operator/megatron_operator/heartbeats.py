@@ -114,6 +114,12 @@ class HeartbeatBook:
         steps = [seen[p].report.step for p in pods if p in seen and seen[p].report.step is not None]
         return min(s for s in steps if s is not None) if steps else None
 
+    def step_seconds(self, job_uid: str, pods: Iterable[str]) -> float | None:
+        """The slowest recent step among ``pods``, as their agents reported it (None when none did)."""
+        seen = self._last.get(job_uid, {})
+        times = [seen[p].report.step_time_seconds for p in pods if p in seen]
+        return max((t for t in times if t), default=None)
+
     def checkpoint_step(self, job_uid: str) -> int | None:
         """The newest complete checkpoint any agent of the job reported (a checkpoint is global)."""
         steps = [hb.report.checkpoint_step for hb in self._last.get(job_uid, {}).values()]

@@ -8,6 +8,7 @@ out; nothing here talks to the API server or the agents, so every rule has a fas
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 from megatron_contract import wire
@@ -27,6 +28,7 @@ class AgentSignals:
     unhealthy: Sequence[str] = ()  # pods whose own agent reports failure
     accusations: Sequence[Accusation] = ()  # failed peers reported for the current epoch
     completed_step: int | None = None  # steps every reporting member completed (a count)
+    step_seconds: float | None = None  # the slowest step the members reported lately
     all_succeeded: bool = False  # every member's agent reports that training finished
     # Pods whose agent reported recently that its workers are warm and hold no rank: the only pods
     # a plan may bring in (None: not known, every running pod qualifies; unit tests of other rules).
@@ -240,9 +242,13 @@ def assess(
             if failure is not None and failure.reason is FailureReason.NODE_NOT_READY:
                 health[pod.name] = classify_pod(pod, {})  # as if its node were Ready
     failures, doubted = _detect(pods, health, plan, signals, known_failures)
+    members = [m.pod for m in plan.members] if plan is not None else []
+    # A pod on a draining node that holds no rank is going anyway: its end (a former member's
+    # workers lose their peers once the mesh has moved on) is no failure.
+    going = {p.name for p in pods if p.node is not None and p.node in set(draining) and p.name not in members}
+    failures = [f for f in failures if f.pod not in going]
     failed = frozenset(known_failures) | {f.pod for f in failures}
     by_name = {p.name: p for p in pods}
-    members = [m.pod for m in plan.members] if plan is not None else []
 
     if signals.checkpoint_unusable is not None:
         # Two checkpoints failed verification (worker/checkpoint.py); a new plan would restore
@@ -294,7 +300,7 @@ def assess(
         # trainers agree on their actual step at rendezvous (worker/verify.py).
         resume = signals.completed_step
 
-        def plan_without(away: Collection[str]) -> PlanDecision:
+        def plan_without(away: Collection[str], resume: int | None = resume) -> PlanDecision:
             return plan_mesh(
                 spec,
                 job_uid,
@@ -313,6 +319,11 @@ def assess(
         decision = plan_without(leaving)
         moving = sorted(leaving & member_set)
         if moving:
+            if resume is not None and set(decision.lost) <= set(moving):
+                # Nothing failed: the members switch at a step boundary ahead, which every one of
+                # them (the leaving ones too) reaches and commits in the old mesh; a plan at the
+                # reported step would abort the step in flight, which one may commit and another not.
+                decision = plan_without(leaving, resume + _migration_lead(spec, signals.step_seconds))
             decision, drain_waiting = _migration(decision, plan_without(()), moving, set(failed))
         if settling and decision.outcome is not Outcome.UNCHANGED:
             decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
@@ -388,6 +399,13 @@ def assess(
         moved_off=moved_off,
         drain_waiting=drain_waiting,
     )
+
+
+def _migration_lead(spec: MegatronJobSpec, step_seconds: float | None) -> int:
+    """Steps between the reported step and a migration's boundary: enough for the reports' lag (a
+    heartbeat interval) and the plan's push to be overtaken by no member."""
+    lag = 2 * spec.failure_detection.heartbeat_interval_seconds + 1.0
+    return max(2, math.ceil(lag / step_seconds) + 1) if step_seconds else 4
 
 
 def _migration(

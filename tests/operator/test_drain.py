@@ -2,9 +2,12 @@
 
 Scenarios: a node counts as draining when cordoned or tainted NoExecute for maintenance, not for
 the taints of a NotReady node; a member on a draining node moves to a spare with its state from a
-data-parallel peer in a ``migrate`` plan (no failure, no recovery) and its replacement is created
+data-parallel peer in a ``migrate`` plan (no failure, no recovery) at a step boundary ahead of
+the reported step, so that no member aborts a step another commits, and its replacement is created
 at once; the former member is deleted only once the new plan has trained; a spare on a draining
-node is deleted at once; with no spare the mesh shrinks around it the same way; with no peer to
+node is deleted at once, and a pod there that holds no rank ending is no failure; a failure in
+the same pass is replaced at once, at the reported step, and a leaving member that then holds the
+only copy of the state stays; with no spare the mesh shrinks around it the same way; with no peer to
 take its state from (DP 1) it moves to the spare through the newest checkpoint, and with no
 checkpoint either it stays and the drain waits, saying why; below minReplicas it stays until its
 replacement is warm.
@@ -43,8 +46,11 @@ def _running(
     return spec, status, pods
 
 
-def _drain(spec: MegatronJobSpec, status: MegatronJobStatus, pods: list[PodFacts], *nodes: str) -> Assessment:
-    return assess(spec, JOB_UID, status, pods, NODES, AgentSignals(completed_step=40), {}, draining=set(nodes))
+def _drain(
+    spec: MegatronJobSpec, status: MegatronJobStatus, pods: list[PodFacts], *nodes: str, step_seconds: float = 0.5
+) -> Assessment:
+    signals = AgentSignals(completed_step=40, step_seconds=step_seconds)
+    return assess(spec, JOB_UID, status, pods, NODES, signals, {}, draining=set(nodes))
 
 
 def _members(plan: MeshPlan | None) -> list[str]:
@@ -66,7 +72,9 @@ def test_a_member_on_a_draining_node_moves_to_a_spare_with_its_state_from_a_peer
     assert a.decision is not None and a.decision.outcome is Outcome.NEW_PLAN
     plan = a.plan
     assert plan is not None and plan.reason is PlanReason.MIGRATE and not is_recovery(plan)
-    assert _members(plan) == ["job-0", "job-2"] and plan.resume_step == 40
+    # At a boundary ahead of the reported step 40, which no member passes before the plan reaches it:
+    # two heartbeat intervals (2 s each) and a second, at 0.5 s a step, and one more step.
+    assert _members(plan) == ["job-0", "job-2"] and plan.resume_step == 40 + 11
     kinds = plan.source_kinds()
     assert StateSourceKind.PEER in kinds and not {StateSourceKind.CHECKPOINT, StateSourceKind.INIT} & kinds
     assert a.failures == () and a.terminal is None and a.drain_waiting is None
@@ -80,6 +88,10 @@ def test_a_member_on_a_draining_node_moves_to_a_spare_with_its_state_from_a_peer
     after = _drain(spec, trained, pods, "gpu-1")
     assert after.moved_off == ("job-1",) and after.decision is not None
     assert after.decision.outcome is Outcome.UNCHANGED and after.failures == ()
+    # Its workers lose their peers once the mesh moved on, and its agent says so: no failure.
+    signals = AgentSignals(completed_step=52, unhealthy=["job-1"])
+    ended = assess(spec, JOB_UID, trained, pods, NODES, signals, {}, draining={"gpu-1"})
+    assert ended.failures == () and ended.moved_off == ("job-1",)
 
 
 def test_a_spare_on_a_draining_node_is_deleted_at_once_and_replaced() -> None:
@@ -121,3 +133,13 @@ def test_below_min_replicas_the_member_stays_until_its_replacement_is_warm() -> 
     moved = _drain(spec, status, arrived, "gpu-1")
     assert moved.plan is not None and moved.plan.reason is PlanReason.MIGRATE
     assert _members(moved.plan) == ["job-0", "job-2"] and moved.drain_waiting is None
+
+
+def test_a_failure_while_a_member_leaves_is_replaced_first_and_the_last_holder_stays() -> None:
+    roles = ("worker", "worker", "spare", "spare")
+    spec, status, pods = _running({"replicas": 2, "spares": 2, "min_replicas": 1}, roles)
+    gone = [p for p in pods if p.name != "job-0"]  # job-0 deleted while job-1's node drains
+    a = _drain(spec, status, gone, "gpu-1")
+    assert a.plan is not None and a.plan.reason is PlanReason.REPLACE and is_recovery(a.plan)
+    assert a.plan.resume_step == 40 and _members(a.plan) == ["job-2", "job-1"]
+    assert a.drain_waiting is not None and "job-1 stay" in a.drain_waiting
