@@ -26,23 +26,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [
-    str(REPO / "contract"),
-    str(REPO / "trainer"),
-    str(REPO / "localcluster"),
-    str(REPO / "tests"),
-    str(REPO / "tests" / "trainer"),
-    str(REPO / "benchmarks"),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_recovery import add_job_args, job_spec  # noqa: E402
-from worker_harness import WorkerCluster  # noqa: E402
+# trainer_recovery puts the source folders and the worker harness on sys.path.
+from trainer_recovery import add_job_args, job_spec
+from worker_harness import WorkerCluster
 
-from megatron_contract.job import CheckpointSpec  # noqa: E402
-from megatron_contract.mesh import StateSource, StateSourceKind  # noqa: E402
-from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, PhaseTimes, Progress  # noqa: E402
-from megatron_trainer.worker.checkpoint_files import checkpoint_dir, complete_steps  # noqa: E402
+from megatron_contract.job import CheckpointSpec
+from megatron_contract.mesh import StateSource, StateSourceKind
+from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, PhaseTimes, Progress
+from megatron_trainer.worker.checkpoint_files import checkpoint_dir, complete_steps
 
 
 def _start_pods(cluster: WorkerCluster, prefix: str, gpus: int) -> list[str]:

@@ -68,29 +68,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [
-    str(REPO / "contract"),
-    str(REPO / "trainer"),
-    str(REPO / "localcluster"),
-    str(REPO / "tests"),
-    str(REPO / "tests" / "trainer"),
-    str(REPO / "benchmarks"),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_recovery import job_spec  # noqa: E402
-from worker_harness import WorkerCluster, WorkerProcess, wait_for  # noqa: E402
+# trainer_recovery puts the source folders and the worker harness on sys.path.
+from trainer_recovery import add_shape_args, job_spec
+from worker_harness import WorkerCluster, WorkerProcess, spawn_with_channel, wait_for
 
-from megatron_contract import wire  # noqa: E402
-from megatron_contract.job import (  # noqa: E402
+from megatron_contract import wire
+from megatron_contract.job import (
     CheckpointSpec,
     LrDecayStyle,
     LrScheduleSpec,
     MegatronJobSpec,
     OptimizerSpec,
 )
-from megatron_trainer.agent.supervisor import signal_group  # noqa: E402
-from megatron_trainer.channel import Progress  # noqa: E402
+from megatron_trainer.agent.supervisor import signal_group
+from megatron_trainer.channel import Progress
 
 TARGET_OVERHEAD_PCT = 1.0
 # The worker's collective timeout: its watchdog must not take a freeze for a hung step.
@@ -257,11 +250,10 @@ class PlainLoop:
         each step's end. ``variant`` ``worker-step`` trains with :meth:`worker_step`."""
         from megatron_trainer.worker.step import guard_commit
 
-        step = self.train_step
-        unguarded = self.ts.optimizer.step_with_ready_grads
+        step, unguard = self.train_step, lambda: None
         if variant == "worker-step":
             step = self.worker_step
-            guard_commit(self.ts, lambda: False, self.device)  # as the worker installs it per epoch
+            unguard = guard_commit(self.ts, lambda: False, self.device)  # as the worker installs it per epoch
         try:
             for _ in range(warmup):
                 step()
@@ -274,7 +266,7 @@ class PlainLoop:
             self._sync()
             end = time.perf_counter()
         finally:
-            self.ts.optimizer.step_with_ready_grads = unguarded
+            unguard()  # the plain arm's next window runs the plain step
         loss = float(self.loss_total[0] / self.loss_total[1]) if self.loss_total is not None else float("nan")
         return {"start": start, "ends": ends, "end": end, "loss": loss, "step": self.ts.step}
 
@@ -306,32 +298,11 @@ class PlainArm:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.ranks: list[tuple[subprocess.Popen[bytes], Any, Path]] = []
         for rank in range(gpus):
-            ours, theirs = socket.socketpair()
             log_path = workdir / f"plain-{rank}.log"
-            with log_path.open("wb") as log:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(Path(__file__).resolve()),
-                        "plain-rank",
-                        "--rank",
-                        str(rank),
-                        "--world",
-                        str(gpus),
-                        "--store-port",
-                        str(self.store.port),
-                        "--channel-fd",
-                        str(theirs.fileno()),
-                    ],
-                    pass_fds=(theirs.fileno(),),
-                    env={**env, **({"CUDA_VISIBLE_DEVICES": str(rank)} if gpu else {})},
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    process_group=0,
-                )
-            theirs.close()
+            command = [sys.executable, str(Path(__file__).resolve()), "plain-rank", "--rank", str(rank)]
+            command += ["--world", str(gpus), "--store-port", str(self.store.port)]
+            rank_env = {**env, **({"CUDA_VISIBLE_DEVICES": str(rank)} if gpu else {})}
+            process, ours = spawn_with_channel(command, rank_env, log_path)
             self.ranks.append((process, ours.makefile("rw", encoding="utf-8"), log_path))
         self.info: dict[str, Any] = {}
 
@@ -688,11 +659,7 @@ def main() -> int:
         help="a third arm: the worker's step function (worker/step.py) run by the plain process",
     )
     parser.add_argument("--global-batch", type=int, default=None, help="default 4 micro-batches per GPU")
-    parser.add_argument("--layers", type=int, default=None, help="default 20 (or the preset's)")
-    parser.add_argument("--hidden", type=int, default=None, help="default 2048 (or the preset's)")
-    parser.add_argument("--heads", type=int, default=None, help="default 16 (or the preset's)")
-    parser.add_argument("--seq", type=int, default=None, help="default 2048")
-    parser.add_argument("--vocab", type=int, default=None, help="default 50304 (or the preset's)")
+    add_shape_args(parser)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.warmup < 2 or args.steps < 2:

@@ -52,8 +52,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
+_DEFAULT_SHAPE = {"layers": 20, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 50304}
+
+
 def add_job_args(parser: argparse.ArgumentParser) -> None:
-    """GPUs, model size, batch and seed (shared with ``trainer_loss_parity.py``)."""
+    """GPUs, model size, batch and seed (shared with ``trainer_loss_parity.py`` and ``checkpoint_save.py``)."""
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument(
         "--preset",
@@ -61,17 +64,19 @@ def add_job_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a spec.model.preset; --layers/--hidden/--heads/--seq/--vocab given with it override it",
     )
-    parser.add_argument("--layers", type=int, default=None, help="default 20 (or the preset's)")
-    parser.add_argument("--hidden", type=int, default=None, help="default 2048 (or the preset's)")
-    parser.add_argument("--heads", type=int, default=None, help="default 16 (or the preset's)")
-    parser.add_argument("--seq", type=int, default=None, help="default 2048 (or the preset's)")
-    parser.add_argument("--vocab", type=int, default=None, help="default 50304 (or the preset's)")
+    add_shape_args(parser)
     parser.add_argument("--global-batch", type=int, default=6)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
 
 
-_DEFAULT_SHAPE = {"layers": 20, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 50304}
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """--layers, --hidden, --heads, --seq and --vocab: the model's shape, each one given replacing the
+    default GPT's (or the preset's) (shared with ``steady_state.py``)."""
+    for name, default in _DEFAULT_SHAPE.items():
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"default {default} (or the preset's)")
+
+
 _MODEL_FIELDS = {
     "layers": "num_layers",
     "hidden": "hidden_size",

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_harness import WorkerCluster, make_spec, wait_for
+from worker_harness import MakeCluster, WorkerCluster, make_spec, wait_for
 
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
@@ -51,15 +50,6 @@ from megatron_trainer.worker.checkpoint_files import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def make_cluster() -> Iterator[list[WorkerCluster]]:
-    made: list[WorkerCluster] = []
-    yield made
-    for cluster in made:
-        print(cluster.logs())
-        cluster.close()
 
 
 def checkpointed_spec(root: Path, iters: int, interval: int, keep: int) -> MegatronJobSpec:
@@ -102,16 +92,14 @@ def checkpoint_sources(spec: MegatronJobSpec, step: int) -> dict[int, StateSourc
 
 
 def test_async_save_overlaps_training_skips_instead_of_stacking_and_keeps_the_newest(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     root, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
     iters, interval, keep = 10, 2, 2
     spec = checkpointed_spec(root, iters, interval, keep)
-    cluster = WorkerCluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
-    make_cluster.append(cluster)
-    cluster.start_pod("a")
-    cluster.wait_ready(["a"])
+    cluster = make_cluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
+    cluster.boot(["a"])
     cluster.assign(cluster.plan(["a"]))
 
     cluster.wait_steps(["a"], 5)  # training went on while the writer of step 2 waits
@@ -144,18 +132,15 @@ def test_async_save_overlaps_training_skips_instead_of_stacking_and_keeps_the_ne
 
 
 def test_pod_killed_during_a_save_leaves_no_process_and_the_previous_checkpoint_usable(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     root, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
     open_gate(gate, 2)  # the save of step 2 completes; the save of step 4 is held mid-way
     iters = 12
     spec = checkpointed_spec(root, iters=iters, interval=2, keep=2)
-    cluster = WorkerCluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
-    make_cluster.append(cluster)
-    cluster.start_pod("a")
-    cluster.start_pod("s")
-    cluster.wait_ready(["a", "s"])
+    cluster = make_cluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
+    cluster.boot(["a", "s"])
     cluster.assign(cluster.plan(["a"]), ["a"])
     for w in cluster.workers(["a"]):
         wait_for(lambda w=w: w.of_type(CheckpointSaved), 120, f"{w.name} to report the checkpoint of step 2")
@@ -182,7 +167,7 @@ def test_pod_killed_during_a_save_leaves_no_process_and_the_previous_checkpoint_
 
 
 def test_damaged_checkpoints_are_rejected_the_older_one_restored_and_two_failures_stop(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     root = tmp_path / "ckpt"
     iters = 8
@@ -191,11 +176,8 @@ def test_damaged_checkpoints_are_rejected_the_older_one_restored_and_two_failure
     spec = make_spec(spares=1, replicas=1, min_replicas=1, train_iters=iters).model_copy(
         update={"checkpoint": checkpoints}
     )
-    cluster = WorkerCluster(spec, tmp_path / "run")
-    make_cluster.append(cluster)
-    for pod in ("a", "r1", "r2"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "r1", "r2"])
+    cluster = make_cluster(spec, tmp_path / "run")
+    cluster.boot(["a", "r1", "r2"])
     cluster.assign(cluster.plan(["a"]), ["a"])
     cluster.wait_succeeded(["a"])
     assert complete_steps(root) == [8, 6, 4, 2]
@@ -236,18 +218,15 @@ def test_damaged_checkpoints_are_rejected_the_older_one_restored_and_two_failure
 
 
 def test_a_re_mesh_during_a_save_abandons_it_and_later_saves_complete(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     root, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
     iters = 10
     spec = make_spec(spares=0, replicas=2, min_replicas=1, train_iters=iters)
     spec = spec.model_copy(update={"checkpoint": CheckpointSpec(path=str(root), interval_steps=2, keep=2)})
-    cluster = WorkerCluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
-    make_cluster.append(cluster)
-    cluster.start_pod("a")
-    cluster.start_pod("b")
-    cluster.wait_ready(["a", "b"])
+    cluster = make_cluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
+    cluster.boot(["a", "b"])
     cluster.assign(cluster.plan(["a", "b"]))
     cluster.wait_steps(["a", "b"], 3)
     assert partial_dir(root, 2).is_dir()  # its writers wait at the gate
@@ -274,7 +253,7 @@ def test_a_re_mesh_during_a_save_abandons_it_and_later_saves_complete(
 
 
 def test_a_checkpoint_reshards_to_other_data_and_tensor_parallel_sizes(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     root = tmp_path / "ckpt"
     iters = 6
@@ -282,12 +261,10 @@ def test_a_checkpoint_reshards_to_other_data_and_tensor_parallel_sizes(
     spec = make_spec(spares=1, replicas=2, min_replicas=1, train_iters=iters).model_copy(
         update={"checkpoint": checkpoints}
     )  # TP2 x DP2 over pods a and b
-    cluster = WorkerCluster(spec, tmp_path / "run")
-    make_cluster.append(cluster)
+    cluster = make_cluster(spec, tmp_path / "run")
     # TP1 x DP1: the same model and checkpoints, one worker.
     tp1_spec = make_spec(spares=0, replicas=1, min_replicas=1, tp=1, gpus_per_pod=1, train_iters=iters)
-    tp1 = WorkerCluster(tp1_spec.model_copy(update={"checkpoint": checkpoints}), tmp_path / "tp1")
-    make_cluster.append(tp1)
+    tp1 = make_cluster(tp1_spec.model_copy(update={"checkpoint": checkpoints}), tmp_path / "tp1")
     for pod in ("a", "b", "r"):
         cluster.start_pod(pod)
     tp1.start_pod("t")
@@ -315,18 +292,14 @@ def test_a_checkpoint_reshards_to_other_data_and_tensor_parallel_sizes(
         assert got[6] == pytest.approx(expected[6], rel=1e-5, abs=0)
 
 
-def test_a_failed_write_is_reported_and_the_next_save_completes(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
-) -> None:
+def test_a_failed_write_is_reported_and_the_next_save_completes(tmp_path: Path, make_cluster: MakeCluster) -> None:
     root, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
     (gate / "2").write_text("fail")  # storage fails the save of step 2
     open_gate(gate, 4, 6)
     spec = checkpointed_spec(root, iters=6, interval=2, keep=2)
-    cluster = WorkerCluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
-    make_cluster.append(cluster)
-    cluster.start_pod("a")
-    cluster.wait_ready(["a"])
+    cluster = make_cluster(spec, tmp_path / "run", {ENV_WRITER_GATE: str(gate)})
+    cluster.boot(["a"])
     cluster.assign(cluster.plan(["a"]))
     cluster.wait_succeeded(["a"])
     for w in cluster.workers(["a"]):
@@ -338,20 +311,15 @@ def test_a_failed_write_is_reported_and_the_next_save_completes(
     assert not [p.name for p in root.iterdir() if p.name.startswith(PARTIAL_PREFIX)]
 
 
-def test_a_checkpoint_reshards_to_a_larger_data_parallel_size(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
-) -> None:
+def test_a_checkpoint_reshards_to_a_larger_data_parallel_size(tmp_path: Path, make_cluster: MakeCluster) -> None:
     root = tmp_path / "ckpt"
     iters = 6
     checkpoints = CheckpointSpec(path=str(root), interval_steps=2, keep=4, async_save=False)
     spec = make_spec(spares=1, replicas=2, min_replicas=1, train_iters=iters).model_copy(
         update={"checkpoint": checkpoints}
     )
-    cluster = WorkerCluster(spec, tmp_path / "run")
-    make_cluster.append(cluster)
-    for pod in ("a", "b", "c"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "b", "c"])
+    cluster = make_cluster(spec, tmp_path / "run")
+    cluster.boot(["a", "b", "c"])
     cluster.assign(cluster.plan(["a"]), ["a"])  # TP2 x DP1
     cluster.wait_succeeded(["a"])
     expected = cluster.losses(["a"])

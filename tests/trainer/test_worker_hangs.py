@@ -17,19 +17,15 @@ gloo, whose CPU steps jitter by seconds on shared cores):
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from worker_harness import WorkerCluster, make_spec, peer_sources, wait_for
+from worker_harness import MakeCluster, fault_env, fired, make_spec, wait_for
 
 from megatron_contract.job import CheckpointSpec
-from megatron_contract.mesh import PlanReason
 from megatron_trainer.channel import CollectiveFailed, Progress
-from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan, InjectionPoint
+from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -40,72 +36,48 @@ HANG_RANK = 1  # tp rank 1 of replica 0, in pod "a"
 SLOW_SECONDS = 8.0  # past the step limit (the 5 s gloo floor: CPU steps of the tiny model take ~0.2-0.9 s)
 
 
-@pytest.fixture
-def make_cluster() -> Iterator[list[WorkerCluster]]:
-    """Clusters made by a test, shut down (and their logs shown on failure) afterwards."""
-    made: list[WorkerCluster] = []
-    yield made
-    for cluster in made:
-        print(cluster.logs())
-        cluster.close()
-
-
-def fired(tmp_path: Path) -> list[dict[str, Any]]:
-    path = tmp_path / "faults.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def hang_to_next_step(tmp_path: Path, detection: dict[str, float]) -> tuple[float, float]:
+def hang_to_next_step(tmp_path: Path, make_cluster: MakeCluster, detection: dict[str, float]) -> tuple[float, float]:
     """SIGSTOP one rank with a spare present; returns (fault -> last survivor's report, fault ->
     first committed step of the next epoch), in seconds."""
     spec = make_spec(spares=1, train_iters=TRAIN_ITERS, collective_timeout=COLLECTIVE_TIMEOUT, detection=detection)
     faults = FaultPlan().fail_at(rank=HANG_RANK, step=HANG_STEP, fault=Fault.SIGSTOP)
-    env = {ENV_FAULTS: faults.to_env(), ENV_FAULT_LOG: str(tmp_path / "faults.jsonl")}
-    cluster = WorkerCluster(spec, tmp_path, env)
-    try:
-        for pod in ("a", "b", "s"):
-            cluster.start_pod(pod)
-        cluster.wait_ready(["a", "b", "s"])
-        cluster.assign(cluster.plan(["a", "b"]))
-        stopped_at = wait_for(lambda: fired(tmp_path), 120, "the SIGSTOP")[0]["time"]
-        survivors = [*cluster.pods["b"], cluster.pods["a"][0]]
-        for w in survivors:
-            wait_for(lambda w=w: w.of_type(CollectiveFailed), 2 * COLLECTIVE_TIMEOUT, f"{w.name} to report")
-        reported = time.time() - stopped_at  # polled every 20 ms: late by at most that
-        reasons = [m.reason for w in survivors for m in w.of_type(CollectiveFailed)]
-        cluster.kill_pod("a")  # the supervisor kills the stopped worker
-        resume = max(w.last_step() for w in cluster.workers(["b"]))
-        assert resume == HANG_STEP, "the survivors hold exactly the steps completed before the hang"
-        plan = cluster.plan(
-            ["s", "b"], resume_step=resume, reason=PlanReason.REPLACE, sources=peer_sources(spec, [0, 1], [2, 3])
-        )
-        cluster.assign(plan, ["s", "b"])
-        wait_for(
-            lambda: all(any(p.epoch == 2 for p in w.of_type(Progress)) for w in cluster.workers(["s", "b"])),
-            120,
-            "the first step of epoch 2",
-        )
-        committed = time.time() - stopped_at
-        cluster.wait_succeeded(["s", "b"])
-        assert sorted(cluster.losses(["a", "b", "s"])) == list(range(1, TRAIN_ITERS + 1))
-    except BaseException:
-        print(cluster.logs())
-        raise
-    finally:
-        cluster.close()
+    cluster = make_cluster(spec, tmp_path, fault_env(tmp_path, faults))
+    cluster.boot(["a", "b", "s"])
+    cluster.assign(cluster.plan(["a", "b"]))
+    stopped_at = wait_for(lambda: fired(tmp_path), 120, "the SIGSTOP")[0]["time"]
+    survivors = [*cluster.pods["b"], cluster.pods["a"][0]]
+    for w in survivors:
+        wait_for(lambda w=w: w.of_type(CollectiveFailed), 2 * COLLECTIVE_TIMEOUT, f"{w.name} to report")
+    reported = time.time() - stopped_at  # polled every 20 ms: late by at most that
+    reasons = [m.reason for w in survivors for m in w.of_type(CollectiveFailed)]
+    cluster.kill_pod("a")  # the supervisor kills the stopped worker
+    resume = cluster.replace_with_spare("s", survivor="b")
+    assert resume == HANG_STEP, "the survivors hold exactly the steps completed before the hang"
+    wait_for(
+        lambda: all(any(p.epoch == 2 for p in w.of_type(Progress)) for w in cluster.workers(["s", "b"])),
+        120,
+        "the first step of epoch 2",
+    )
+    committed = time.time() - stopped_at
+    cluster.wait_succeeded(["s", "b"])
+    assert sorted(cluster.losses(["a", "b", "s"])) == list(range(1, TRAIN_ITERS + 1))
     print(f"detection {detection or 'default'}: reasons {reasons[:2]}")
     return reported, committed
 
 
-def test_sigstop_is_detected_by_progress_not_by_the_collective_timeout(tmp_path: Path) -> None:
-    reported, committed = hang_to_next_step(tmp_path / "progress", {})
+def test_sigstop_is_detected_by_progress_not_by_the_collective_timeout(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    reported, committed = hang_to_next_step(tmp_path / "progress", make_cluster, {})
     print(f"progress detection: SIGSTOP -> survivors reported {reported:.2f}s, -> next step {committed:.2f}s")
     # max(1 s, 3 x step) plus scheduling slack on two shared CPU cores; far from the 30 s timeout.
     assert reported < 10, f"hang reported {reported:.1f}s after the SIGSTOP (collective timeout 30 s)"
 
 
-def test_sigstop_without_progress_detection_waits_for_the_collective_timeout(tmp_path: Path) -> None:
-    reported, committed = hang_to_next_step(tmp_path / "timeout", {"hang_detection_step_multiple": 0})
+def test_sigstop_without_progress_detection_waits_for_the_collective_timeout(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    reported, committed = hang_to_next_step(tmp_path / "timeout", make_cluster, {"hang_detection_step_multiple": 0})
     print(f"collective timeout: SIGSTOP -> survivors reported {reported:.2f}s, -> next step {committed:.2f}s")
     assert reported >= COLLECTIVE_TIMEOUT
 
@@ -118,7 +90,7 @@ SLOW_PHASES = {
 
 
 @pytest.mark.parametrize("case", list(SLOW_PHASES))
-def test_slow_phase_is_not_a_hang(tmp_path: Path, make_cluster: list[WorkerCluster], case: str) -> None:
+def test_slow_phase_is_not_a_hang(tmp_path: Path, make_cluster: MakeCluster, case: str) -> None:
     step, point, rank = SLOW_PHASES[case]
     spec = make_spec(train_iters=TRAIN_ITERS, collective_timeout=COLLECTIVE_TIMEOUT)
     if point is InjectionPoint.CHECKPOINT:
@@ -126,12 +98,8 @@ def test_slow_phase_is_not_a_hang(tmp_path: Path, make_cluster: list[WorkerClust
         checkpoints = CheckpointSpec(path=str(tmp_path / "ckpt"), interval_steps=step, keep=1, async_save=False)
         spec = spec.model_copy(update={"checkpoint": checkpoints})
     faults = FaultPlan().fail_at(rank=rank, step=step, fault=Fault.DELAY, seconds=SLOW_SECONDS, point=point)
-    env = {ENV_FAULTS: faults.to_env(), ENV_FAULT_LOG: str(tmp_path / "faults.jsonl")}
-    cluster = WorkerCluster(spec, tmp_path, env)
-    make_cluster.append(cluster)
-    cluster.start_pod("a")
-    cluster.start_pod("b")
-    cluster.wait_ready(["a", "b"])
+    cluster = make_cluster(spec, tmp_path, fault_env(tmp_path, faults))
+    cluster.boot(["a", "b"])
     cluster.assign(cluster.plan(["a", "b"]))
     cluster.wait_succeeded(["a", "b"])
     assert [f["point"] for f in fired(tmp_path)] == [point.value], "the delay fired once"

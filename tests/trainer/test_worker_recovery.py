@@ -27,16 +27,23 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_harness import WorkerCluster, make_spec, peer_sources, wait_for
+from worker_harness import (
+    MakeCluster,
+    WorkerCluster,
+    failure_free_losses,
+    fault_env,
+    make_spec,
+    peer_sources,
+    wait_for,
+)
 
 from megatron_contract.job import CheckpointSpec
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
 from megatron_trainer.channel import CollectiveFailed, PhaseTimes, Progress, WorkerStatus
-from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan, InjectionPoint
+from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
 from megatron_trainer.worker.checkpoint import newest_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -46,75 +53,31 @@ FAULT_STEP = 3  # the step in progress when the fault fires (steps 0..2 are comp
 FAULT_RANK = 1  # tp rank 1 of replica 0, in pod "a"
 
 
-def fault_env(tmp_path: Path, fault: Fault) -> dict[str, str]:
-    return {
-        ENV_FAULTS: FaultPlan().fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=fault).to_env(),
-        ENV_FAULT_LOG: str(tmp_path / "faults.jsonl"),
-    }
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[list[WorkerCluster]]:
-    """Clusters made by a test, shut down (and their logs shown on failure) afterwards."""
-    made: list[WorkerCluster] = []
-    yield made
-    for cluster in made:
-        print(cluster.logs())
-        cluster.close()
+def fault_mid_step(tmp_path: Path, fault: Fault) -> dict[str, str]:
+    """``fault`` for worker FAULT_RANK in step FAULT_STEP."""
+    return fault_env(tmp_path, FaultPlan().fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=fault))
 
 
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Loss of every step of a failure-free run with the same seed and mesh."""
-    cluster = WorkerCluster(make_spec(train_iters=TRAIN_ITERS), tmp_path_factory.mktemp("reference"))
-    try:
-        cluster.start_pod("a")
-        cluster.start_pod("b")
-        cluster.wait_ready(["a", "b"])
-        cluster.assign(cluster.plan(["a", "b"]))
-        cluster.wait_succeeded(["a", "b"])
-        losses = cluster.losses(["a", "b"])
-    except BaseException:
-        print(cluster.logs())
-        raise
-    finally:
-        cluster.close()
-    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
-    return losses
-
-
-def replace_with_spare(cluster: WorkerCluster, failed_pod: str, spare: str, survivor: str) -> int:
-    """Operator's part after a pod failed: plan the spare into its ranks, state from DP peers."""
-    resume = max(w.last_step() for w in cluster.workers([survivor]))
-    spec = cluster.spec
-    receivers = range(spec.gpus_per_pod)  # the failed pod held ranks 0..gpusPerPod-1
-    donors = range(spec.gpus_per_pod, 2 * spec.gpus_per_pod)
-    plan = cluster.plan(
-        [spare, survivor], resume_step=resume, reason=PlanReason.REPLACE, sources=peer_sources(spec, receivers, donors)
-    )
-    cluster.assign(plan, [spare, survivor])
-    return resume
+    return failure_free_losses(make_spec(train_iters=TRAIN_ITERS), tmp_path_factory.mktemp("reference"))
 
 
 def start_with_spare(cluster: WorkerCluster) -> None:
-    for pod in ("a", "b", "s"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "b", "s"])
+    cluster.boot(["a", "b", "s"])
     cluster.assign(cluster.plan(["a", "b"]))  # "s" is not a member: it stays a warm spare
 
 
 def test_sigkill_with_spare_recovers_with_identical_loss(
-    tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
 ) -> None:
-    cluster = WorkerCluster(make_spec(spares=1, train_iters=TRAIN_ITERS), tmp_path, fault_env(tmp_path, Fault.SIGKILL))
-    make_cluster.append(cluster)
+    cluster = make_cluster(
+        make_spec(spares=1, train_iters=TRAIN_ITERS), tmp_path, fault_mid_step(tmp_path, Fault.SIGKILL)
+    )
     start_with_spare(cluster)
-    victim = cluster.pods["a"][FAULT_RANK]
-    assert victim.eof.wait(120), "the injected SIGKILL did not happen"
-    assert victim.process.wait(10) == -signal.SIGKILL
-    cluster.kill_pod("a")  # the pod is failed as a whole
-    cluster.wait_failed_reports(["b"], epoch=1)
-    resume = replace_with_spare(cluster, failed_pod="a", spare="s", survivor="b")
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
+    resume = cluster.replace_with_spare("s", survivor="b")
     assert resume == FAULT_STEP, "survivors must hold exactly the steps completed before the fault"
     cluster.wait_succeeded(["s", "b"])
 
@@ -133,11 +96,10 @@ def test_sigkill_with_spare_recovers_with_identical_loss(
 
 
 def test_sigstop_with_spare_detected_by_progress(
-    tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
 ) -> None:
     spec = make_spec(spares=1, train_iters=TRAIN_ITERS, collective_timeout=8.0)
-    cluster = WorkerCluster(spec, tmp_path, fault_env(tmp_path, Fault.SIGSTOP))
-    make_cluster.append(cluster)
+    cluster = make_cluster(spec, tmp_path, fault_mid_step(tmp_path, Fault.SIGSTOP))
     start_with_spare(cluster)
     hung = cluster.pods["a"][FAULT_RANK]
     # Everyone else notices on their own (a stalled step, then the cascade of closed connections).
@@ -148,7 +110,7 @@ def test_sigstop_with_spare_detected_by_progress(
     assert not hung.of_type(CollectiveFailed)
     cluster.kill_pod("a")  # the supervisor kills the hung worker (SIGKILL ends a stopped process)
     assert hung.process.returncode == -signal.SIGKILL
-    resume = replace_with_spare(cluster, failed_pod="a", spare="s", survivor="b")
+    resume = cluster.replace_with_spare("s", survivor="b")
     assert resume == FAULT_STEP
     cluster.wait_succeeded(["s", "b"])
     assert cluster.losses(["a", "b", "s"]) == reference_losses
@@ -156,23 +118,15 @@ def test_sigstop_with_spare_detected_by_progress(
     assert reasons and all(r for r in reasons)
 
 
-def test_shrink_without_spare_then_grow_counts_every_sample_once(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
-) -> None:
+def test_shrink_without_spare_then_grow_counts_every_sample_once(tmp_path: Path, make_cluster: MakeCluster) -> None:
     iters = 12
     spec = make_spec(spares=0, replicas=2, min_replicas=1, train_iters=iters)
-    cluster = WorkerCluster(spec, tmp_path, fault_env(tmp_path, Fault.SIGKILL))
-    make_cluster.append(cluster)
+    cluster = make_cluster(spec, tmp_path, fault_mid_step(tmp_path, Fault.SIGKILL))
     # Pod "c" is the capacity that returns later. It boots now only because a CPU worker warms up
     # in ~20 s, longer than this whole tiny job; no plan names it until the growth below.
-    for pod in ("a", "b", "c"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "b", "c"])
+    cluster.boot(["a", "b", "c"])
     cluster.assign(cluster.plan(["a", "b"]), ["a", "b"])
-    victim = cluster.pods["a"][FAULT_RANK]
-    assert victim.eof.wait(120), "the injected SIGKILL did not happen"
-    cluster.kill_pod("a")
-    cluster.wait_failed_reports(["b"], epoch=1)
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
 
     # Shrink: replica 1 (pod b) carries on alone with the whole global batch.
     resume = max(w.last_step() for w in cluster.workers(["b"]))
@@ -214,7 +168,7 @@ def test_shrink_without_spare_then_grow_counts_every_sample_once(
 
 
 def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     iters, fault_step, interval = 8, 5, 2  # checkpoints after steps 2 and 4; the fault hits step 5
     spec = make_spec(spares=1, replicas=1, min_replicas=1, train_iters=iters)
@@ -223,27 +177,17 @@ def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
     checkpoints = CheckpointSpec(path=str(tmp_path / "ckpt"), interval_steps=interval, keep=2, async_save=False)
     spec = spec.model_copy(update={"checkpoint": checkpoints})
 
-    reference = WorkerCluster(spec.model_copy(update={"checkpoint": None}), tmp_path / "reference")
-    make_cluster.append(reference)
-    reference.start_pod("r")
-    reference.wait_ready(["r"])
+    reference = make_cluster(spec.model_copy(update={"checkpoint": None}), tmp_path / "reference")
+    reference.boot(["r"])
     reference.assign(reference.plan(["r"]))
     reference.wait_succeeded(["r"])
     expected = reference.losses(["r"])
 
-    env = {
-        ENV_FAULTS: FaultPlan().fail_at(rank=FAULT_RANK, step=fault_step, fault=Fault.SIGKILL).to_env(),
-        ENV_FAULT_LOG: str(tmp_path / "faults.jsonl"),
-    }
-    cluster = WorkerCluster(spec, tmp_path / "faulty", env)
-    make_cluster.append(cluster)
-    cluster.start_pod("a")
-    cluster.start_pod("s")
-    cluster.wait_ready(["a", "s"])
+    env = fault_env(tmp_path, FaultPlan().fail_at(rank=FAULT_RANK, step=fault_step, fault=Fault.SIGKILL))
+    cluster = make_cluster(spec, tmp_path / "faulty", env)
+    cluster.boot(["a", "s"])
     cluster.assign(cluster.plan(["a"]), ["a"])
-    victim = cluster.pods["a"][FAULT_RANK]
-    assert victim.eof.wait(180), "the injected SIGKILL did not happen"
-    cluster.kill_pod("a")
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 180)
     assert max(w.last_step() for w in cluster.workers(["a"])) == fault_step
     newest = newest_complete(tmp_path / "ckpt")
     assert newest == 4, f"checkpoints: {sorted(p.name for p in (tmp_path / 'ckpt').iterdir())}"
@@ -263,7 +207,7 @@ def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
 
 
 def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
-    tmp_path: Path, make_cluster: list[WorkerCluster], reference_losses: dict[int, float]
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
 ) -> None:
     # Past the step limit however slow the loaded CPU (max(1 s, 3 x the epoch's median step), capped
     # at the collective timeout): the watchdog calls it a hang and aborts the step.
@@ -271,12 +215,10 @@ def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
     stall = FaultPlan().fail_at(
         rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=timeout + 4, point=InjectionPoint.BEFORE_UPDATE
     )
-    env = {ENV_FAULTS: stall.to_env(), ENV_FAULT_LOG: str(tmp_path / "faults.jsonl")}
-    cluster = WorkerCluster(make_spec(train_iters=TRAIN_ITERS, collective_timeout=timeout), tmp_path, env)
-    make_cluster.append(cluster)
-    for pod in ("a", "b"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "b"])
+    cluster = make_cluster(
+        make_spec(train_iters=TRAIN_ITERS, collective_timeout=timeout), tmp_path, fault_env(tmp_path, stall)
+    )
+    cluster.boot(["a", "b"])
     cluster.assign(cluster.plan(["a", "b"]))
     cluster.wait_failed_reports(["a", "b"], epoch=1)
     behind = cluster.pods["a"][FAULT_RANK]

@@ -8,16 +8,13 @@ step's loss equals the failure-free run bit for bit.
 from __future__ import annotations
 
 import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from worker_harness import REPO, WorkerCluster, make_spec, peer_sources
+from worker_harness import REPO, MakeCluster, failure_free_losses, fault_env, make_spec
 
 from megatron_contract.job import MegatronJobSpec
-from megatron_contract.mesh import PlanReason
-from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan
+from megatron_trainer.faults import Fault, FaultPlan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,49 +38,17 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {"PYTHONPATH": path, **(extra or {})}
 
 
-@pytest.fixture
-def make_cluster() -> Iterator[list[WorkerCluster]]:
-    made: list[WorkerCluster] = []
-    yield made
-    for cluster in made:
-        print(cluster.logs())
-        cluster.close()
-
-
-def test_custom_model_replace_from_peer_is_bitwise(tmp_path: Path, make_cluster: list[WorkerCluster]) -> None:
+def test_custom_model_replace_from_peer_is_bitwise(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = custom_spec()
-    reference = WorkerCluster(spec, tmp_path / "reference", env())
-    make_cluster.append(reference)
-    for pod in ("a", "b"):
-        reference.start_pod(pod)
-    reference.wait_ready(["a", "b"])
-    reference.assign(reference.plan(["a", "b"]))
-    reference.wait_succeeded(["a", "b"])
-    expected = reference.losses(["a", "b"])
-    assert sorted(expected) == list(range(1, TRAIN_ITERS + 1))
-    for w in reference.workers():  # built by the job's provider, not the built-in GPT
-        assert "custom_model: built MlpLanguageModel" in w.log_path.read_text(errors="replace"), w.log_tail()
+    expected = failure_free_losses(spec, tmp_path / "reference", env())
 
-    faults = {
-        ENV_FAULTS: FaultPlan().fail_at(rank=1, step=FAULT_STEP, fault=Fault.SIGKILL).to_env(),
-        ENV_FAULT_LOG: str(tmp_path / "faults.jsonl"),
-    }
-    cluster = WorkerCluster(spec, tmp_path / "faulty", env(faults))
-    make_cluster.append(cluster)
-    for pod in ("a", "b", "s"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "b", "s"])
+    faults = FaultPlan().fail_at(rank=1, step=FAULT_STEP, fault=Fault.SIGKILL)
+    cluster = make_cluster(spec, tmp_path / "faulty", env(fault_env(tmp_path, faults)))
+    cluster.boot(["a", "b", "s"])
     cluster.assign(cluster.plan(["a", "b"]))
-    victim = cluster.pods["a"][1]
-    assert victim.eof.wait(180), "the injected SIGKILL did not happen"
-    assert victim.process.wait(10) == -signal.SIGKILL
-    cluster.kill_pod("a")
-    cluster.wait_failed_reports(["b"], epoch=1)
-    resume = max(w.last_step() for w in cluster.workers(["b"]))
-    assert resume == FAULT_STEP
-    plan = cluster.plan(
-        ["s", "b"], resume_step=resume, reason=PlanReason.REPLACE, sources=peer_sources(spec, [0, 1], [2, 3])
-    )
-    cluster.assign(plan, ["s", "b"])
+    cluster.fail_pod_on_injected_kill("a", 1, 180, survivors=["b"])
+    assert cluster.replace_with_spare("s", survivor="b") == FAULT_STEP
     cluster.wait_succeeded(["s", "b"])
     assert cluster.losses(["a", "b", "s"]) == expected
+    for w in cluster.workers():  # built by the job's provider, not the built-in GPT
+        assert "custom_model: built MlpLanguageModel" in w.log_path.read_text(errors="replace"), w.log_tail()

@@ -12,17 +12,15 @@ processes on CPU/gloo. Scenarios:
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_harness import WorkerCluster, make_spec, peer_sources
+from worker_harness import MakeCluster, WorkerCluster, failure_free_losses, fault_env, make_spec
 
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
-from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, Fault, FaultPlan
+from megatron_trainer.faults import Fault, FaultPlan
 from megatron_trainer.worker.checkpoint import newest_complete
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -59,71 +57,32 @@ def llama_spec(tp: int, checkpoint: Path | None = None) -> MegatronJobSpec:
     return MegatronJobSpec.model_validate(wire)
 
 
-@pytest.fixture
-def make_cluster() -> Iterator[list[WorkerCluster]]:
-    made: list[WorkerCluster] = []
-    yield made
-    for cluster in made:
-        print(cluster.logs())
-        cluster.close()
-
-
-def reference_losses(spec: MegatronJobSpec, workdir: Path, made: list[WorkerCluster]) -> dict[int, float]:
-    cluster = WorkerCluster(spec, workdir)
-    made.append(cluster)
-    cluster.start_pod("a")
-    cluster.start_pod("b")
-    cluster.wait_ready(["a", "b"])
-    cluster.assign(cluster.plan(["a", "b"]))
-    cluster.wait_succeeded(["a", "b"])
-    losses = cluster.losses(["a", "b"])
-    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
-    return losses
-
-
-def faulty_cluster(spec: MegatronJobSpec, workdir: Path, rank: int, made: list[WorkerCluster]) -> WorkerCluster:
+def faulty_cluster(spec: MegatronJobSpec, workdir: Path, rank: int, make_cluster: MakeCluster) -> WorkerCluster:
     """Pods a and b train, s waits as a spare; ``rank`` (in pod a) is SIGKILLed mid-step FAULT_STEP."""
-    env = {
-        ENV_FAULTS: FaultPlan().fail_at(rank=rank, step=FAULT_STEP, fault=Fault.SIGKILL).to_env(),
-        ENV_FAULT_LOG: str(workdir / "faults.jsonl"),
-    }
-    cluster = WorkerCluster(spec, workdir, env)
-    made.append(cluster)
-    for pod in ("a", "b", "s"):
-        cluster.start_pod(pod)
-    cluster.wait_ready(["a", "b", "s"])
+    faults = FaultPlan().fail_at(rank=rank, step=FAULT_STEP, fault=Fault.SIGKILL)
+    cluster = make_cluster(spec, workdir, fault_env(workdir, faults))
+    cluster.boot(["a", "b", "s"])
     cluster.assign(cluster.plan(["a", "b"]))
-    victim = cluster.pods["a"][rank]
-    assert victim.eof.wait(300), "the injected SIGKILL did not happen"
-    assert victim.process.wait(10) == -signal.SIGKILL
-    cluster.kill_pod("a")
-    cluster.wait_failed_reports(["b"], epoch=1)
+    cluster.fail_pod_on_injected_kill("a", rank, 300, survivors=["b"])
     return cluster
 
 
-def test_llama_style_replace_from_peer_is_bitwise(tmp_path: Path, make_cluster: list[WorkerCluster]) -> None:
+def test_llama_style_replace_from_peer_is_bitwise(tmp_path: Path, make_cluster: MakeCluster) -> None:
     spec = llama_spec(tp=2)
-    expected = reference_losses(spec, tmp_path / "reference", make_cluster)
-    cluster = faulty_cluster(spec, tmp_path / "faulty", rank=1, made=make_cluster)
-    resume = max(w.last_step() for w in cluster.workers(["b"]))
-    assert resume == FAULT_STEP
-    plan = cluster.plan(
-        ["s", "b"], resume_step=resume, reason=PlanReason.REPLACE, sources=peer_sources(spec, [0, 1], [2, 3])
-    )
-    cluster.assign(plan, ["s", "b"])
+    expected = failure_free_losses(spec, tmp_path / "reference")
+    cluster = faulty_cluster(spec, tmp_path / "faulty", rank=1, make_cluster=make_cluster)
+    assert cluster.replace_with_spare("s", survivor="b") == FAULT_STEP
     cluster.wait_succeeded(["s", "b"])
     assert cluster.losses(["a", "b", "s"]) == expected
 
 
 def test_llama_style_distributed_optimizer_restores_from_checkpoint_bitwise(
-    tmp_path: Path, make_cluster: list[WorkerCluster]
+    tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
     ckpt = tmp_path / "ckpt"
     spec = llama_spec(tp=1, checkpoint=ckpt)
-    expected = reference_losses(
-        llama_spec(tp=1, checkpoint=tmp_path / "reference-ckpt"), tmp_path / "reference", make_cluster
-    )
-    cluster = faulty_cluster(spec, tmp_path / "faulty", rank=0, made=make_cluster)
+    expected = failure_free_losses(llama_spec(tp=1, checkpoint=tmp_path / "reference-ckpt"), tmp_path / "reference")
+    cluster = faulty_cluster(spec, tmp_path / "faulty", rank=0, make_cluster=make_cluster)
     newest = newest_complete(ckpt)
     assert newest == 4, f"checkpoints: {sorted(p.name for p in ckpt.iterdir())}"
     # Sharded optimizer state lives only in the checkpoint: every rank loads it.

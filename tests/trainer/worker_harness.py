@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from megatron_trainer.channel import (
     ToAgent,
     WorkerStatus,
 )
+from megatron_trainer.faults import ENV_FAULT_LOG, ENV_FAULTS, FaultPlan
 from megatronjob_builders import small_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,6 +191,63 @@ class WorkerProcess:
             return "(no log)"
 
 
+def spawn_with_channel(
+    command: list[str], env: dict[str, str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start ``command`` as the agent starts a worker: ``--channel-fd N`` appended, the other end of a
+    socket pair returned with the process, output to ``log_path``, in a process group of its own."""
+    ours, theirs = socket.socketpair()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*command, "--channel-fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            process_group=0,
+        )
+    theirs.close()
+    return process, ours
+
+
+#: The ``make_cluster`` fixture (conftest.py): ``WorkerCluster``'s arguments, closed after the test.
+MakeCluster = Callable[..., "WorkerCluster"]
+
+
+def fault_env(workdir: Path, faults: FaultPlan) -> dict[str, str]:
+    """Workers' environment that injects ``faults`` and logs each one that fires (:func:`fired`)."""
+    return {ENV_FAULTS: faults.to_env(), ENV_FAULT_LOG: str(workdir / "faults.jsonl")}
+
+
+def fired(workdir: Path) -> list[dict[str, Any]]:
+    """The faults of :func:`fault_env` that fired so far, in order."""
+    path = workdir / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def failure_free_losses(
+    spec: MegatronJobSpec, workdir: Path, extra_env: dict[str, str] | None = None
+) -> dict[int, float]:
+    """Loss of every step of a run of ``spec`` over pods ``a`` and ``b`` without faults: what a run
+    with the same seed and mesh must reproduce. Its logs are printed if it fails."""
+    pods = ["a", "b"]
+    cluster = WorkerCluster(spec, workdir, extra_env)
+    try:
+        cluster.boot(pods)
+        cluster.assign(cluster.plan(pods))
+        cluster.wait_succeeded(pods)
+        losses = cluster.losses(pods)
+    except BaseException:
+        print(cluster.logs())
+        raise
+    finally:
+        cluster.close()
+    assert sorted(losses) == list(range(1, spec.training.train_iters + 1))
+    return losses
+
+
 class WorkerCluster:
     """Pods of real workers, the rendezvous store, and the operator's bookkeeping."""
 
@@ -230,28 +288,9 @@ class WorkerCluster:
         pod's CUDA_VISIBLE_DEVICES)."""
         workers = []
         for local_rank in range(self.spec.gpus_per_pod):
-            ours, theirs = socket.socketpair()
             log_path = self.workdir / f"{pod}-{local_rank}.log"
-            with log_path.open("wb") as log:
-                process = subprocess.Popen(
-                    [
-                        self.python,
-                        "-m",
-                        "megatron_trainer.worker",
-                        "--channel-fd",
-                        str(theirs.fileno()),
-                        "--local-rank",
-                        str(local_rank),
-                    ],
-                    pass_fds=(theirs.fileno(),),
-                    env={**self.env(pod), **(env or {})},
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    process_group=0,
-                )
-            theirs.close()
+            command = [self.python, "-m", "megatron_trainer.worker", "--local-rank", str(local_rank)]
+            process, ours = spawn_with_channel(command, {**self.env(pod), **(env or {})}, log_path)
             worker = WorkerProcess(pod, local_rank, process, Channel(ours), log_path)
             threading.Thread(target=self._pump, args=(worker,), daemon=True).start()
             workers.append(worker)
@@ -274,6 +313,12 @@ class WorkerCluster:
         names = self.pods if pods is None else pods
         return [w for p in names for w in self.pods[p]]
 
+    def boot(self, pods: Sequence[str]) -> None:
+        """Start ``pods`` and wait until all their workers are ready (warm spares, no plan yet)."""
+        for pod in pods:
+            self.start_pod(pod)
+        self.wait_ready(pods)
+
     def wait_ready(self, pods: Iterable[str], timeout: float = 180.0) -> None:
         """Wait for every worker's Hello (imports done, warm model built)."""
         for w in self.workers(pods):
@@ -292,6 +337,18 @@ class WorkerCluster:
             w.process.wait(timeout=30)
             w.eof.wait(timeout=30)
 
+    def fail_pod_on_injected_kill(
+        self, pod: str, local_rank: int, timeout: float, survivors: Sequence[str] = ()
+    ) -> None:
+        """The injected SIGKILL of worker ``local_rank`` of ``pod`` happens within ``timeout``; the pod
+        is then failed as a whole (as its agent does) and every worker of ``survivors`` reports
+        the failed collective of the current epoch."""
+        victim = self.pods[pod][local_rank]
+        assert victim.eof.wait(timeout), "the injected SIGKILL did not happen"
+        assert victim.process.wait(10) == -signal.SIGKILL
+        self.kill_pod(pod)
+        self.wait_failed_reports(survivors, epoch=self.epoch)
+
     # -- plans -----------------------------------------------------------------------------------
 
     def assign(self, plan: MeshPlan, pods: Iterable[str] | None = None) -> None:
@@ -299,6 +356,16 @@ class WorkerCluster:
         self.epoch = plan.epoch
         for w in self.workers(pods if pods is not None else self.live_pods()):
             w.send(Assign(plan=plan, pod=w.pod))
+
+    def replace_with_spare(self, spare: str, survivor: str) -> int:
+        """The operator's part after the first pod of a two-pod mesh failed: plan ``spare`` into its
+        ranks, with state from their DP peers on ``survivor``, from the step the survivor holds
+        (returned)."""
+        resume = max(w.last_step() for w in self.workers([survivor]))
+        gpus = self.spec.gpus_per_pod
+        sources = peer_sources(self.spec, range(gpus), range(gpus, 2 * gpus))
+        self.assign(self.plan([spare, survivor], resume, reason=PlanReason.REPLACE, sources=sources), [spare, survivor])
+        return resume
 
     def live_pods(self) -> list[str]:
         return [p for p, ws in self.pods.items() if not any(w.eof.is_set() for w in ws)]

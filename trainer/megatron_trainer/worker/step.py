@@ -58,8 +58,9 @@ def guard_commit(
     aborted: Callable[[], bool],
     device: torch.device,
     update_hook: Callable[[int], None] = lambda step: None,
-) -> None:
-    """Make the optimizer's local update refuse to run once the epoch is aborted.
+) -> Callable[[], None]:
+    """Make the optimizer's local update refuse to run once the epoch is aborted; returns what
+    removes the guard again.
 
     Megatron's ``step()`` runs its collectives (grad norm) and then ``step_with_ready_grads()``,
     which only touches local memory; checking just before it makes the commit point explicit.
@@ -76,6 +77,11 @@ def guard_commit(
         return inner()
 
     ts.optimizer.step_with_ready_grads = guarded
+
+    def unguard() -> None:
+        ts.optimizer.step_with_ready_grads = inner
+
+    return unguard
 
 
 def train_step(
