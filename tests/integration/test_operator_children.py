@@ -22,6 +22,7 @@ The operator's log and the namespace's objects are printed when a test fails.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -236,6 +237,10 @@ def test_refused_pod_creates_back_off_then_set_a_condition_and_event_naming_why(
     assert cond["reason"] == "ChildrenCreated"
 
 
+def _longest_gaps(times: list[float]) -> list[float]:
+    return sorted(b - a for a, b in itertools.pairwise(list(times)))[-3:]
+
+
 def test_spares_failing_at_start_are_replaced_with_backoff(h: Harness) -> None:
     h.add_nodes(1)
     h.start_operator()
@@ -262,15 +267,14 @@ def test_spares_failing_at_start_are_replaced_with_backoff(h: Harness) -> None:
         h.api.patch_pod_status(spare, {"phase": "Failed", "reason": "Error"})
         cond = wait_for(lambda: (c := _condition(h)) and c["status"] == "True" and c, 60, "the CreateFailed condition")
         assert cond["reason"] == "PodsFailingAtStart", cond
-        wait_for(lambda: len(crashed) >= 5, 60, "five replacement spares crashed")
+        # Each crash follows its pod's creation within one poll. Without a backoff they come a
+        # fraction of a second apart; with it, once pods count as failing at start (a pod whose
+        # agent reported first does not: how many do depends on the machine's speed), the creates
+        # wait 1, 2, 4, ... s. Load only lengthens the gaps; the 1, 2 and 4 s waits must show.
+        wait_for(lambda: sum(_longest_gaps(crashed_at)) >= 7 * BASE_DELAY_SECONDS - 1.0, 90, "the 1, 2 and 4 s waits")
     finally:
         stop.set()
         crasher.join(5)
-    # Failures 3, 4 and 5 (the first spare and four replacements... the condition came at the
-    # third) are followed by 2 and 4 s waits before the next create. Measured between the crashes
-    # themselves, not from when the condition was seen: a loaded machine delays that, not the waits.
-    elapsed = crashed_at[4] - crashed_at[0]
-    assert elapsed >= 6 * BASE_DELAY_SECONDS - 1.0, f"replacements came {elapsed:.1f} s apart in all: no backoff"
     # Every pod created is the initial two or a crashed replacement, or the one now waiting.
     assert _serials(h) <= len(first) + len(crashed) + 1, (_serials(h), crashed)
     assert "exited" in cond["message"] or "failed" in cond["message"], cond
