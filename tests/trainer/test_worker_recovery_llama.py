@@ -84,7 +84,9 @@ def test_llama_style_distributed_optimizer_restores_from_checkpoint_bitwise(
     expected = failure_free_losses(llama_spec(tp=1, checkpoint=tmp_path / "reference-ckpt"), tmp_path / "reference")
     cluster = faulty_cluster(spec, tmp_path / "faulty", rank=0, make_cluster=make_cluster)
     newest = newest_complete(ckpt)
-    assert newest == 4, f"checkpoints: {sorted(p.name for p in ckpt.iterdir())}"
+    # Saves are asynchronous: the one of step 4 may still be written when step 5's fault lands, and
+    # then the one of step 2 is the newest (steps 3-5 are redone).
+    assert newest in (2, 4), f"checkpoints: {sorted(p.name for p in ckpt.iterdir())}"
     # Sharded optimizer state lives only in the checkpoint: every rank loads it.
     sources = {r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=newest) for r in range(2)}
     plan = cluster.plan(["s", "b"], resume_step=newest, reason=PlanReason.REPLACE, sources=sources)
