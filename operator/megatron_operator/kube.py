@@ -156,21 +156,17 @@ async def write_status(namespace: str, name: str, status: dict[str, Any]) -> Non
     never makes it conflict; the status itself has one writer, the leader. No read is needed first,
     which matters when the plan in status is a few hundred kilobytes.
     """
-    await _call(
-        _custom().patch_namespaced_custom_object_status,
-        wire.GROUP,
-        wire.VERSION,
-        namespace,
-        wire.PLURAL,
-        name,
-        [{"op": "add", "path": "/status", "value": status}],
-        _content_type="application/json-patch+json",
-    )
+    await _patch_status(namespace, name, [{"op": "add", "path": "/status", "value": status}], "json-patch")
 
 
 async def write_conditions(namespace: str, name: str, conditions: list[dict[str, Any]]) -> None:
     """Replace only ``status.conditions`` (a merge patch): the rest of a status this version cannot
     read stays exactly as the version that wrote it left it."""
+    await _patch_status(namespace, name, {"status": {"conditions": conditions}}, "merge-patch")
+
+
+async def _patch_status(namespace: str, name: str, body: Any, kind: str) -> None:
+    """Patch a job's status subresource with a ``kind`` ("json-patch", "merge-patch") body."""
     await _call(
         _custom().patch_namespaced_custom_object_status,
         wire.GROUP,
@@ -178,8 +174,8 @@ async def write_conditions(namespace: str, name: str, conditions: list[dict[str,
         namespace,
         wire.PLURAL,
         name,
-        {"status": {"conditions": conditions}},
-        _content_type="application/merge-patch+json",
+        body,
+        _content_type=f"application/{kind}+json",
     )
 
 

@@ -245,7 +245,8 @@ def assess(
     members = [m.pod for m in plan.members] if plan is not None else []
     # A pod on a draining node that holds no rank is going anyway: its end (a former member's
     # workers lose their peers once the mesh has moved on) is no failure.
-    going = {p.name for p in pods if p.node is not None and p.node in set(draining) and p.name not in members}
+    draining = set(draining)
+    going = {p.name for p in pods if p.node in draining and p.name not in members}
     failures = [f for f in failures if f.pod not in going]
     failed = frozenset(known_failures) | {f.pod for f in failures}
     by_name = {p.name: p for p in pods}
@@ -275,7 +276,7 @@ def assess(
     # Pods that may join a plan: running, and their agent said recently that its workers are warm.
     warm = set(signals.warm) if signals.warm is not None else set(ref)
     finishing = any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
-    leaving = {p.name for p in alive if p.node is not None and p.node in set(draining)}
+    leaving = {p.name for p in alive if p.node in draining}
     drain_waiting: str | None = None
 
     decision: PlanDecision | None = None
