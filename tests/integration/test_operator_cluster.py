@@ -85,6 +85,8 @@ def test_job_becomes_pods_spares_service_secret_and_initial_plan(h: Harness) -> 
         assert h.agents.plans_for(pod) == [1]
     spare = next(n for n in pods if n not in members)
     assert h.agents.plans_for(spare, status=None) == []
+    # The spare's readiness is counted by a later status write than the plan's.
+    status = h.wait_status(lambda s: s.get("sparesReady") == 1, "the spare counted ready")
     assert status["mesh"] == "2x1x1" and status["ready"] == "2/2" and status["sparesReady"] == 1
     conds = {c["type"]: c for c in status["conditions"]}
     assert conds["Ready"]["status"] == "True" and conds["Recovering"]["status"] == "False"
