@@ -1,25 +1,33 @@
-"""Benchmark: time from a pod's failure to the new plan stored and pushed, for a large job.
+"""Benchmark: the operator at scale. For each job size, from creation to a failure's plan pushed.
 
 Starts the local control plane with kwok fake GPU nodes, runs the operator as a real process,
-serves recording agents at every pod's loopback address, submits a job of ``--workers`` worker
+serves recording agents at every pod's loopback address (they heartbeat like agents, every
+``--heartbeat-seconds``: a training step more each time), submits a job of ``--workers`` worker
 pods (1 GPU each) with hot spares, then repeatedly deletes a random member pod and measures:
 
+- create: the job created → every child pod exists, → every pod running, → the first step;
 - stored: deletion → a watch on the job sees the next epoch in its status;
 - pushed: deletion → the last member's agent received the plan (timestamps taken by the agents,
   which run in a process of their own);
-- the operator's peak resident memory (VmHWM) at the end.
+- the API server's write load from the job object while it trains without failures: status writes
+  per second and the bytes of the object each write stores (every write stores the whole object);
+- the operator's CPU seconds (user + system) per phase and its peak resident memory (VmHWM).
 
 Between failures it waits for the spare pool to be full again, so every failure is a replacement.
-Prints figures; asserts nothing about speed.
+Each size runs on a fresh control plane. Prints figures and a table of how they grow with size;
+asserts nothing about speed.
 
     PYTHONPATH=contract:operator:trainer:localcluster:tests/operator \\
-        python benchmarks/operator_recovery.py --workers 256 --failures 30
+        python benchmarks/operator_recovery.py --workers 256 1024 4096 --failures 30 \\
+        --out benchmarks/results/operator_scale.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -42,13 +50,13 @@ from localcluster.waiting import wait_for  # noqa: E402
 JOB = "bench"
 
 
-def _agents_main(conn: Connection, token: str, job_uid: str, operator_url: str) -> None:
+def _agents_main(conn: Connection, token: str, job_uid: str, operator_url: str, period: float) -> None:
     """The recording agents, in a process of their own (so the benchmark's polling cannot slow them).
     They heartbeat like agents (warm spares, then training steps): the operator promotes only warm
     spares and counts a job as training only on committed steps."""
     agents = RecordingAgents(lambda: token)
     agents.job_uid, agents.operator_urls = job_uid, [operator_url]
-    agents.start_heartbeats(period=0.5)
+    agents.start_heartbeats(period=period)
     try:
         while True:
             cmd, arg = conn.recv()
@@ -66,10 +74,10 @@ def _agents_main(conn: Connection, token: str, job_uid: str, operator_url: str) 
 class AgentsProcess:
     """RecordingAgents in a child process; time.monotonic() is system-wide, so its stamps compare."""
 
-    def __init__(self, token: str, job_uid: str, operator_url: str) -> None:
+    def __init__(self, token: str, job_uid: str, operator_url: str, period: float) -> None:
         self._conn, child = mp.Pipe()
         self._proc = mp.get_context("fork").Process(
-            target=_agents_main, args=(child, token, job_uid, operator_url), daemon=True
+            target=_agents_main, args=(child, token, job_uid, operator_url, period), daemon=True
         )
         self._proc.start()
         self._lock = threading.Lock()
@@ -104,6 +112,7 @@ class EpochWatch:
         self._api = client.CustomObjectsApi(config.new_client_from_config(str(kubeconfig)))
         self._watch = watch.Watch()
         self.first_seen: dict[int, float] = {}
+        self.writes: list[tuple[float, int]] = []  # (monotonic, bytes of the object) per event
         self._ns = namespace
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -121,8 +130,11 @@ class EpochWatch:
                     field_selector=f"metadata.name={JOB}",
                     timeout_seconds=300,
                 ):
+                    now = time.monotonic()
                     epoch = ((event["object"].get("status") or {}).get("epoch")) or 0
-                    self.first_seen.setdefault(epoch, time.monotonic())
+                    self.first_seen.setdefault(epoch, now)
+                    if event["type"] == "MODIFIED":
+                        self.writes.append((now, len(json.dumps(event["object"], separators=(",", ":")))))
             except Exception as exc:  # the watch restarts; a lost event only delays a stamp
                 if not self._stopped.is_set():
                     print(f"watch: {exc}", file=sys.stderr)
@@ -140,6 +152,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -147,27 +165,35 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=256, help="worker pods (1 GPU each)")
-    parser.add_argument("--spares", type=int, default=4, help="hot-spare pods")
-    parser.add_argument("--failures", type=int, default=30, help="failures to measure")
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    rng = random.Random(args.seed)
+def summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "min": min(values),
+        "max": max(values),
+        "mean": statistics.mean(values),
+    }
 
+
+def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
+    """One job of ``workers`` pods on a fresh control plane; its figures."""
+    rng = random.Random(args.seed)
     cluster = LocalCluster()
     cluster.start()
     tmp = Path(tempfile.mkdtemp(prefix="operator-bench-"))
     operator: OperatorProcess | None = None
     agents: AgentsProcess | None = None
     watch: EpochWatch | None = None
+    result: dict[str, Any] = {"workers": workers, "spares": args.spares}
     try:
         cluster.install_crds()
-        nodes = -(-(args.workers + args.spares + 8) // 8)
+        nodes = -(-(workers + args.spares + 8) // 8)
         t = time.monotonic()
         cluster.add_gpu_nodes(nodes, gpus_per_node=8, prefix="bench")
         print(f"{nodes} fake GPU nodes ready in {time.monotonic() - t:.1f} s", flush=True)
+        result["nodes"] = nodes
         ns = "bench"
         cluster.request(
             "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
@@ -176,32 +202,70 @@ def main() -> int:
         operator = OperatorProcess(
             cluster.kubeconfig, ns, tmp / "operator.log", lease_seconds=15, MEGATRON_OPERATOR_RESYNC_SECONDS="5"
         ).start()
+        assert operator.proc is not None
+        pid = operator.proc.pid
+        cpu: dict[str, float] = {"start": cpu_seconds(pid)}
         t0 = time.monotonic()
         status, body = api.create_job(
-            make_job(JOB, ns, replicas=args.workers, spares=args.spares, min_replicas=1, global_batch=args.workers * 2)
+            make_job(JOB, ns, replicas=workers, spares=args.spares, min_replicas=1, global_batch=workers * 2)
         )
         assert status == 201, body
         agents = AgentsProcess(
-            wait_for(lambda: api.token(JOB), 60, "the job's Secret"), api.job(JOB)["metadata"]["uid"], operator.url
+            wait_for(lambda: api.token(JOB), 60, "the job's Secret"),
+            api.job(JOB)["metadata"]["uid"],
+            operator.url,
+            args.heartbeat_seconds,
         )
         watch = EpochWatch(cluster.kubeconfig, ns)  # after the fork above: the child needs no threads
+        total = workers + args.spares
 
         def sync_agents() -> int:
             pods = api.running_pods(JOB)
             agents.sync(pods)
             return len(pods)
 
-        wait_for(lambda: sync_agents() >= args.workers + args.spares, 300, "all pods running", interval=0.5)
+        create: dict[str, float] = {}
+        wait_for(lambda: len(api.pods(JOB)) >= total, 900, "every pod created", interval=0.5)
+        create["every_pod_created_s"] = time.monotonic() - t0
+        print(f"every pod created in {create['every_pod_created_s']:.1f} s", flush=True)
+        wait_for(lambda: sync_agents() >= total, 900, "all pods running", interval=0.5)
+        create["every_pod_running_s"] = time.monotonic() - t0
+        print(f"every pod running in {create['every_pod_running_s']:.1f} s", flush=True)
         wait_for(lambda: api.status(JOB).get("phase") == "Running", 300, "the first step of epoch 1", interval=0.1)
+        create["first_step_s"] = time.monotonic() - t0
+        cpu["create"] = cpu_seconds(pid) - cpu["start"]
+        result["create"] = create
         print(
-            f"job of {args.workers} workers + {args.spares} spares running at epoch 1 in "
-            f"{time.monotonic() - t0:.1f} s (create to every member reporting a training step)",
+            f"job of {workers} workers + {args.spares} spares running at epoch 1 in "
+            f"{create['first_step_s']:.1f} s (create to every member reporting a training step)",
+            flush=True,
+        )
+
+        # Training without failures: what the job object costs the API server.
+        cpu_before, t_steady = cpu_seconds(pid), time.monotonic()
+        time.sleep(args.steady_seconds)
+        writes = [size for at, size in watch.writes if at >= t_steady]
+        span = time.monotonic() - t_steady
+        cpu["steady"] = cpu_seconds(pid) - cpu_before
+        result["steady"] = {
+            "seconds": span,
+            "job_writes": len(writes),
+            "writes_per_s": len(writes) / span,
+            "object_bytes_max": max(writes, default=0),
+            "bytes_per_s": sum(writes) / span,
+            "operator_cpu_fraction": cpu["steady"] / span,
+        }
+        print(
+            f"training, no failure, {span:.0f} s: {len(writes)} writes of the job "
+            f"({len(writes) / span:.2f}/s, object up to {max(writes, default=0) / 1024:.0f} KiB, "
+            f"{sum(writes) / span / 1024:.1f} KiB/s stored); operator CPU {cpu['steady'] / span * 100:.1f} %",
             flush=True,
         )
 
         stored_s: list[float] = []
         excluded: list[str] = []
         pushed_s: list[float] = []
+        cpu_before = cpu_seconds(pid)
         for i in range(args.failures):
             st = api.status(JOB)
             epoch = st["epoch"]
@@ -229,7 +293,7 @@ def main() -> int:
                 plan["epoch"] == epoch + 1
                 and plan["reason"] == "replace"
                 and victim not in new_members
-                and len(new_members) == args.workers
+                and len(new_members) == workers
             )
             if clean:
                 stored_s.append(stored)
@@ -242,32 +306,50 @@ def main() -> int:
                 + ("" if clean else "  (excluded: not a plan for this failure alone)"),
                 flush=True,
             )
+            # A spare counts as ready once its agent reports: serve the new pod's address meanwhile.
             wait_for(
-                lambda: (s := api.status(JOB)).get("sparesReady") == args.spares and s.get("phase") == "Running",
-                120,
+                lambda: (
+                    sync_agents() >= total
+                    and (s := api.status(JOB)).get("sparesReady") == args.spares
+                    and s.get("phase") == "Running"
+                ),
+                300,
                 "spare pool refilled",
-                interval=0.1,
+                interval=0.2,
             )
-            wait_for(lambda: sync_agents() >= args.workers + args.spares, 60, "agents on every pod", interval=0.2)
-
-        rss = peak_rss_mib(operator.proc.pid) if operator.proc else float("nan")
+        cpu["failures"] = cpu_seconds(pid) - cpu_before
+        cpu["total"] = cpu_seconds(pid) - cpu.pop("start")
+        rss = peak_rss_mib(pid)
+        result.update(
+            failures=args.failures,
+            measured=len(stored_s),
+            excluded=excluded,
+            stored_s=summary(stored_s),
+            pushed_s=summary(pushed_s),
+            operator_cpu_s=cpu,
+            operator_peak_rss_mib=rss,
+        )
         print()
         print(
-            f"job: {args.workers} worker pods + {args.spares} spares on {nodes} kwok nodes; "
+            f"job: {workers} worker pods + {args.spares} spares on {nodes} kwok nodes; "
             f"{args.failures} failures (pod deleted, grace 0), {len(stored_s)} measured, "
             f"{len(excluded)} excluded"
         )
         for line in excluded:
             print(f"  excluded {line}")
         for name, values in (("failure -> plan stored", stored_s), ("failure -> plan pushed to all", pushed_s)):
-            print(
-                f"{name:32s} p50 {percentile(values, 50) * 1000:7.1f} ms"
-                f"   p99 {percentile(values, 99) * 1000:7.1f} ms"
-                f"   min {min(values) * 1000:7.1f} ms   max {max(values) * 1000:7.1f} ms"
-                f"   mean {statistics.mean(values) * 1000:7.1f} ms"
-            )
-        print(f"operator peak RSS (VmHWM): {rss:.1f} MiB")
-        return 0
+            if values:
+                print(
+                    f"{name:32s} p50 {percentile(values, 50) * 1000:7.1f} ms"
+                    f"   p99 {percentile(values, 99) * 1000:7.1f} ms"
+                    f"   min {min(values) * 1000:7.1f} ms   max {max(values) * 1000:7.1f} ms"
+                    f"   mean {statistics.mean(values) * 1000:7.1f} ms"
+                )
+        print(
+            "operator CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()) + f"; peak RSS {rss:.1f} MiB",
+            flush=True,
+        )
+        return result
     finally:
         # Every step runs even if one fails: a leaked operator or cluster would push plans into
         # the next run's loopback addresses.
@@ -286,6 +368,49 @@ def main() -> int:
                 print(f"cleanup: {exc!r}", file=sys.stderr)
         if operator is not None:
             print(f"operator log: {operator.log_path}")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """How each figure grows with the job's size."""
+    rows = [
+        "| worker pods | every pod created | first step | plan stored p50 / p99 | pushed p50 / p99 "
+        "| job writes/s, object, stored | operator CPU s (create, failures) | peak RSS |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        st, pu, steady, cpu = r["stored_s"], r["pushed_s"], r["steady"], r["operator_cpu_s"]
+        rows.append(
+            f"| {r['workers']} | {r['create']['every_pod_created_s']:.1f} s | {r['create']['first_step_s']:.1f} s "
+            f"| {st.get('p50', 0) * 1000:.0f} / {st.get('p99', 0) * 1000:.0f} ms "
+            f"| {pu.get('p50', 0) * 1000:.0f} / {pu.get('p99', 0) * 1000:.0f} ms "
+            f"| {steady['writes_per_s']:.2f}/s, {steady['object_bytes_max'] / 1024:.0f} KiB, "
+            f"{steady['bytes_per_s'] / 1024:.1f} KiB/s "
+            f"| {cpu['create']:.1f}, {cpu['failures']:.1f} | {r['operator_peak_rss_mib']:.0f} MiB |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[256], help="worker pods (1 GPU each); several sizes")
+    parser.add_argument("--spares", type=int, default=4, help="hot-spare pods")
+    parser.add_argument("--failures", type=int, default=30, help="failures to measure per size")
+    parser.add_argument("--steady-seconds", type=float, default=30.0, help="training without failures, measured")
+    parser.add_argument(
+        "--heartbeat-seconds", type=float, default=2.0, help="agents' heartbeat period (the job spec's default: 2 s)"
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the figures of every size here (JSON)")
+    args = parser.parse_args()
+    results: list[dict[str, Any]] = []
+    for workers in args.workers:
+        print(f"=== {workers} worker pods", flush=True)
+        results.append(run_size(args, workers))
+        if args.out:  # after each size: a later size that fails keeps the earlier figures
+            args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "sizes": results}, indent=1))
+    print()
+    print(table(results))
+    return 0
 
 
 if __name__ == "__main__":

@@ -807,7 +807,14 @@ class MegatronJobStatus(OpenWireModel):
         description="Failure detected to the first training step committed by every member, for the last recovery.",
     )
     last_failure: FailureRecord | None = None
-    step: int | None = Field(default=None, ge=0, description="Steps completed, as reported by the trainers.")
+    step: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Steps completed, as reported by the trainers (written with every other change; on its own no more"
+            " often than keeps the job's status writes under 64 KiB/s: every few seconds at thousands of pods)."
+        ),
+    )
     checkpoint_step: int | None = Field(
         default=None,
         ge=0,

@@ -46,6 +46,8 @@ from megatron_operator.status import (
     Reason,
     compute_status,
     condition,
+    progress_only,
+    progress_write_gap,
     set_condition,
     status_body,
     status_changed,
@@ -146,6 +148,7 @@ class JobController:
         self._labels = metrics.job_labels(job.namespace, job.name)
         self.goodput = GoodputLedger.resume(_created(body), self.status.goodput)
         self._goodput_written = -float("inf")  # monotonic time the status last got fresh goodput figures
+        self._progress_due = -float("inf")  # monotonic time from which progress alone may be written
         # Children (see children.py): the key the token is derived from, a backoff per kind of child,
         # the pods created and not yet started, when the Secret and Service were last applied.
         self.token_key = token_key
@@ -987,9 +990,13 @@ class JobController:
         new = new.model_copy(update={"goodput": self.goodput.snapshot(wall) if fresh else self.status.goodput})
         if not force and not status_changed(self.status, new):
             return
+        if not force and progress_only(self.status, new) and time.monotonic() < self._progress_due:
+            return
         if fresh:
             self._goodput_written = time.monotonic()
-        await kube.write_status(self.job.namespace, self.job.name, status_body(new))
+        body = status_body(new)
+        await kube.write_status(self.job.namespace, self.job.name, body)
+        self._progress_due = time.monotonic() + progress_write_gap(body)
         self.status = new
         self._export(new, spec)
 

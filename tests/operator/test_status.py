@@ -3,7 +3,8 @@
 Scenarios: Ready, Recovering, Failed and Succeeded are exclusive and flip together; a condition
 keeps its lastTransitionTime until its status flips; Degraded says why (shrunk mesh or below
 minReplicas); SparesExhausted follows the ready spares; mesh, epoch, ready counts and completion
-time are filled in; an unchanged observation writes nothing.
+time are filled in; an unchanged observation writes nothing; a change of the step alone is
+progress, written no more often than the status's size allows.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import JobPhase, MegatronJobStatus
 from megatron_operator.planner import plan_mesh
-from megatron_operator.status import Observation, Reason, compute_status, status_changed
+from megatron_operator.status import (
+    PROGRESS_WRITE_BYTES_PER_SECOND,
+    Observation,
+    Reason,
+    compute_status,
+    progress_only,
+    progress_write_gap,
+    status_body,
+    status_changed,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SPEC = make_spec(replicas=2, spares=1)
@@ -95,3 +105,20 @@ def test_fields_and_no_op() -> None:
     assert status.start_time == T0 and status.completion_time is None
     assert not status_changed(status, compute_status(status, _obs(JobPhase.RUNNING, recoveries=3, step=42), T0))
     assert status_changed(status, compute_status(status, _obs(JobPhase.RUNNING, recoveries=4, step=42), T0))
+
+
+def test_a_step_alone_is_progress_and_its_writes_are_spaced_by_the_status_size() -> None:
+    status = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, step=42), T0)
+    later = compute_status(status, _obs(JobPhase.RUNNING, step=43), T0 + timedelta(seconds=2))
+    assert status_changed(status, later) and progress_only(status, later)
+    # Anything else that changes is written at once, the step with it.
+    recovering = compute_status(status, _obs(JobPhase.RECOVERING, step=43), T0 + timedelta(seconds=2))
+    assert not progress_only(status, recovering)
+    assert not progress_only(status, compute_status(status, _obs(JobPhase.RUNNING, step=42, spares_ready=0), T0))
+    assert not progress_only(status, compute_status(status, _obs(JobPhase.RUNNING, step=42, checkpoint_step=40), T0))
+    # The gap grows with the object: a plan of 4096 pods waits seconds, a small job a fraction of one.
+    small = progress_write_gap(status_body(status))
+    big_plan = plan_mesh(make_spec(replicas=4096, spares=1), JOB_UID, make_pod_refs(4096), [], [], None).plan
+    big = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, plan=big_plan, replicas=4096, step=1), T0)
+    assert small < 0.2 < 2.0 < progress_write_gap(status_body(big))
+    assert progress_write_gap({"x": "y" * PROGRESS_WRITE_BYTES_PER_SECOND}) > 1.0
