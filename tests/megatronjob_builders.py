@@ -16,7 +16,7 @@ from megatron_contract.job import MegatronJobSpec
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
 LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
 MOE_EXAMPLE = EXAMPLE.with_name("megatronjob-moe.yaml")
-PRODUCTION_EXAMPLE = EXAMPLE.with_name("production-job.yaml")
+PRODUCTION_EXAMPLE = EXAMPLE.with_name("megatronjob-production.yaml")
 
 
 def example_job(name: str = "gpt-demo", path: Path = EXAMPLE) -> dict[str, Any]:
