@@ -276,6 +276,8 @@ BAD_JOBS: tuple[BadJob, ...] = (
         {"training.optimizer.distributed": True, "checkpoint": DELETE},
         "spec.training.optimizer.distributed needs spec.checkpoint",
     ),
+    BadJob("suspend-without-checkpoint", {"suspend": True, "checkpoint": DELETE}, "spec.suspend needs spec.checkpoint"),
+    BadJob("zero-suspend-timeout", {"checkpoint.suspendTimeoutSeconds": 0}, "spec.checkpoint.suspendTimeoutSeconds"),
     BadJob(
         "warmup-as-long-as-training",
         {"training.lrSchedule.warmupSteps": 200},
