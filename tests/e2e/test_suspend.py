@@ -33,7 +33,7 @@ from megatron_trainer.worker.checkpoint_files import MANIFEST, checkpoint_dir
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 process_nodes = process_nodes_fixture(4, "suspend")
-ITERS = 60
+ITERS = 48
 
 
 def _patch_suspend(cluster: LocalCluster, namespace: str, name: str, value: bool) -> None:
@@ -75,7 +75,7 @@ def test_suspend_checkpoints_and_stops_the_pods_and_resume_goes_on_from_that_ste
     with running_operator(local_cluster, namespace, log):
         submit(local_cluster, namespace, job)
         submit(local_cluster, namespace, twin)
-        wait_for_step(local_cluster, namespace, "suspend", 5, 300, show)
+        wait_for_step(local_cluster, namespace, "suspend", 3, 300, show)
 
         _patch_suspend(local_cluster, namespace, "suspend", True)
         stopped = wait_for(
@@ -87,7 +87,7 @@ def test_suspend_checkpoints_and_stops_the_pods_and_resume_goes_on_from_that_ste
         cond = _suspended_condition(stopped)
         step = stopped.get("checkpointStep")
         assert cond.get("status") == "True" and cond.get("reason") == "JobSuspended", show()
-        assert step is not None and 5 < step < ITERS and f"checkpoint of step {step}" in cond["message"], stopped
+        assert step is not None and 3 < step < ITERS and f"checkpoint of step {step}" in cond["message"], stopped
         assert (checkpoint_dir(checkpoints, step) / MANIFEST).is_file(), sorted(p.name for p in checkpoints.iterdir())
         wait_for(lambda: _pods(local_cluster, namespace, "suspend") == [], 60, "the job's pods to go", details=show)
         before = read_samples(samples)
