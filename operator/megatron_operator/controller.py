@@ -194,8 +194,8 @@ class JobController:
         members = {m.pod for m in plan.members} if plan is not None else set()
         for report in reports:
             metrics.REPORTS.labels(**self._labels).inc()
-            if report.failed_peers or not report.healthy:
-                self.wake.set()
+            if report.failed_peers or not report.healthy or report.suspend_step is not None or report.suspend_error:
+                self.wake.set()  # a failure to act on, or a suspension's checkpoint written (or not)
             if plan is None or report.pod not in members:
                 continue
             if report.epoch > plan.epoch:
@@ -459,6 +459,7 @@ class JobController:
 
         events: list[tuple[str, str, str]] = [("Warning", f.reason.value, f.message) for f in a.failures]
         events.extend(self._note_doubts(a))
+        events.extend(self._suspension_events(a))  # before any status write changes the condition
         last_failure = self.status.last_failure
         if a.failures:
             f = a.failures[-1]
@@ -590,7 +591,6 @@ class JobController:
             phase = a.suspension.phase
             if a.suspension.condition is not None and a.suspension.warning:
                 reason = a.suspension.condition[1]
-        events.extend(self._suspension_events(a))
         await self._write_status(
             spec,
             a,

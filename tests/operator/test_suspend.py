@@ -11,20 +11,33 @@ nothing trained since its checkpoint, or not started at all, stops at once; a su
 no pod and creates none; withdrawn, it creates the spec's pods (as workers) without counting the
 old members as failed, and once they are warm a ``resume`` plan loads the checkpoint in every rank;
 withdrawn before the pods stopped, the members join again with their state in a ``resume`` plan; the
-Suspended condition and the phases follow.
+Suspended condition and the phases follow. The controller (API server and agents faked) pushes the
+suspend plan, posts a Warning for a failed checkpoint and deletes nothing, writes the Suspended status
+before it deletes the pods once a member reports the checkpoint, and, resumed, creates worker pods
+and pushes nothing to the gone members.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 
-from operator_factories import JOB_UID, ROLE_SPARE, make_pod, make_spec
+import pytest
+from operator_factories import JOB_UID, ROLE_SPARE, ROLE_WORKER, make_job, make_pod, make_pod_refs, make_spec
+from test_version_skew import FakeKube, FakePusher
 
+from megatron_contract.agent import AgentReport
 from megatron_contract.job import ConditionType, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
+from megatron_contract.wire import LABEL_ROLE
+from megatron_operator.builders import JobRef
+from megatron_operator.controller import JobController
 from megatron_operator.failures import PodFacts
-from megatron_operator.planner import Outcome
+from megatron_operator.heartbeats import HeartbeatBook
+from megatron_operator.planner import Outcome, plan_mesh
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, phase_of
+from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import Observation, Reason, compute_status
 from megatron_operator.suspend import RETRY_SECONDS, Stage, SuspendRequest, stopped
 
@@ -265,3 +278,78 @@ def test_a_suspension_withdrawn_before_the_pods_stop_trains_on_with_the_same_mem
     assert new.resume_step == plan.resume_step and a.retire == ()
     assert a.suspension is not None and a.suspension.condition is not None
     assert a.suspension.condition[:2] == (False, Reason.RESUMED)
+
+
+# -- the controller carrying it out (API server and agents faked) -----------------------------------
+
+
+def _report(pod: str, epoch: int, **fields: object) -> AgentReport:
+    body = {"jobUid": JOB_UID, "pod": pod, "epoch": epoch, "state": "training", "step": 10, **fields}
+    return AgentReport.model_validate(body)
+
+
+def test_the_controller_writes_the_status_before_it_deletes_and_resumes_with_new_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeKube(monkeypatch)
+    book = HeartbeatBook()
+    refs = make_pod_refs(2)
+    first = plan_mesh(make_spec(replicas=2, spares=0), JOB_UID, refs, [], [], None).plan
+    assert first is not None
+    status = {"phase": "Running", "epoch": 1, "committedEpoch": 1, "step": 10, "plan": first.to_wire()}
+    body = make_job(status=status, replicas=2, spares=0, checkpoint={"path": "/ckpt"}, suspend=True)
+    pods = [PodFacts.of(make_pod(r.name, ip=r.address, uid=r.uid, index=i)) for i, r in enumerate(refs)]
+    present = list(pods)
+    ctl = JobController(
+        JobRef.of(body),
+        body,
+        OperatorSettings(leader_election=False, resync_seconds=0.02),
+        book,
+        FakePusher(),  # type: ignore[arg-type]
+        pods_of=lambda: list(present),
+        nodes=lambda: {"gpu-0": "True"},
+    )
+    ctl.token = "tok"
+    ctl.settling = False
+    for r in refs:
+        book.record(_report(r.name, 1, stepTimeSeconds=0.5), time.monotonic())
+    asyncio.run(_suspend_then_resume(ctl, fake, book, present))
+
+
+async def _suspend_then_resume(
+    ctl: JobController, fake: FakeKube, book: HeartbeatBook, present: list[PodFacts]
+) -> None:
+    await ctl.reconcile_once()
+    plan = ctl.status.plan
+    assert plan is not None and plan.reason is PlanReason.SUSPEND and ctl.status.phase is JobPhase.SUSPENDING
+    assert (2, {"p0", "p1"}) in ctl.pusher.pushed  # type: ignore[attr-defined]
+    assert Reason.SUSPENDING in fake.reasons() and not fake.named("delete_pod", "create_pod")
+
+    for pod in ("p0", "p1"):  # the storage failed the save
+        book.record(
+            _report(pod, 2, state="reconfiguring", step=None, suspendError="OSError: disk full"), time.monotonic()
+        )
+    await ctl.reconcile_once()
+    assert ("Warning", Reason.SUSPEND_CHECKPOINT_FAILED) in [(t, r) for t, r, _ in fake.events]
+    assert not fake.named("delete_pod") and ctl.status.phase is JobPhase.SUSPENDING
+
+    fake.calls.clear()
+    book.record(_report("p0", 2, state="reconfiguring", step=None, suspendStep=plan.resume_step), time.monotonic())
+    await ctl.reconcile_once()
+    names = [name for name, _ in fake.calls]
+    assert names.index("write_status") < names.index("delete_pod"), names
+    assert sorted(args[1] for args in fake.named("delete_pod")) == ["p0", "p1"]
+    assert ctl.status.phase is JobPhase.SUSPENDED and stopped(ctl.status)
+    assert any(r == Reason.JOB_SUSPENDED and f"step {plan.resume_step}" in m for _, r, m in fake.events)
+
+    present.clear()  # the pods are gone; spec.suspend is set false
+    fake.calls.clear()
+    ctl.pusher.pushed.clear()  # type: ignore[attr-defined]
+    ctl.body["spec"]["suspend"] = False
+    await ctl.reconcile_once()
+    created = [args[0] for args in fake.named("create_pod")]
+    assert [b["metadata"]["labels"][LABEL_ROLE] for b in created] == [ROLE_WORKER, ROLE_WORKER]
+    assert ctl.pusher.pushed == [] and not fake.named("delete_pod")  # type: ignore[attr-defined]
+    assert ctl.status.phase is JobPhase.PENDING or ctl.status.phase is JobPhase.STARTING
+    cond = next(c for c in ctl.status.conditions if c.type == ConditionType.SUSPENDED)
+    assert (cond.status, cond.reason) == ("False", Reason.RESUMING) and not fake.named("write_conditions")
