@@ -433,7 +433,7 @@ def assess(
         worker_pods_alive = sum(1 for p in alive if p.role == wire.ROLE_WORKER)
         create_workers = min(deficit, max(0, spec.worker_pods - worker_pods_alive))
     create_spares = deficit - create_workers
-    if suspending is not None and suspending.stage is not Stage.WAIT:
+    if suspending is not None and suspending.stage not in (Stage.WAIT, Stage.REFUSED):
         create_workers = create_spares = 0  # the pods are about to go: only a recovery needs new ones
     if resuming is not None and decision is not None and decision.outcome is Outcome.NEW_PLAN:
         resuming = suspension.resumed(decision.message)

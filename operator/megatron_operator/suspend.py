@@ -64,6 +64,7 @@ class Stage(enum.StrEnum):
     SAVING = "saving"  # the suspend plan's checkpoint is being written
     FAILED = "failed"  # it failed: the pods stay; tried again after RETRY_SECONDS
     TIMED_OUT = "timed-out"  # not complete within checkpoint.suspendTimeoutSeconds: the pods stay
+    REFUSED = "refused"  # no spec.checkpoint to keep the state in: not carried out, the job trains on
     STOP = "stop"  # every pod is deleted now: the job is suspended
     STOPPED = "stopped"  # suspended: no pods
     RESUME = "resume"  # the request was withdrawn: new pods, then a resume plan
@@ -95,7 +96,7 @@ class Suspension:
     @property
     def warning(self) -> bool:
         """Whether the condition reports a suspension that could not write its checkpoint."""
-        return self.stage in (Stage.FAILED, Stage.TIMED_OUT)
+        return self.stage in (Stage.FAILED, Stage.TIMED_OUT, Stage.REFUSED)
 
 
 def stopped(status: MegatronJobStatus) -> bool:
@@ -157,6 +158,12 @@ def decide(
     if status.committed_epoch < plan.epoch and trained <= (checkpoint_step or 0):
         how = "no step was trained since that checkpoint" if checkpoint_step else "no step was trained"
         return _stop(request, checkpoint_step, how), PlanDecision(Outcome.UNCHANGED, plan)
+    if spec.checkpoint is None:  # spec.suspend cannot be set without it; another asker can ask
+        message = (
+            f"{request.message}: the job has no spec.checkpoint, so its trained state cannot be kept; "
+            "the pods stay (training goes on)"
+        )
+        return Suspension(Stage.REFUSED, (False, Reason.SUSPEND_CHECKPOINT_FAILED, message)), decision
     if decision.outcome is Outcome.UNCHANGED and status.committed_epoch >= plan.epoch and not settling:
         boundary = (reported_step or plan.resume_step) + boundary_lead(spec, step_seconds)
         made = _as_suspend(replan(boundary), boundary)

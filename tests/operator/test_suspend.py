@@ -210,6 +210,16 @@ def test_a_job_with_nothing_trained_since_its_checkpoint_stops_at_once() -> None
     assert sorted(a.retire) == ["job-0", "job-1", "job-2"]
 
 
+def test_a_job_without_a_checkpoint_path_is_not_stopped_by_another_asker() -> None:
+    spec, status, pods = _training()
+    spec = spec.model_copy(update={"checkpoint": None})  # spec.suspend needs one; a queue might ask anyway
+    a = _assess(spec, status, pods, asked=SuspendRequest("Preempted", "preempted by the queue"))
+    assert a.suspension is not None and a.suspension.stage is Stage.REFUSED and a.retire == ()
+    assert a.suspension.phase is None and a.suspension.warning  # it trains on, and says so
+    assert a.decision is not None and a.decision.outcome is Outcome.UNCHANGED
+    assert a.suspension.condition is not None and "no spec.checkpoint" in a.suspension.condition[2]
+
+
 def test_a_job_not_started_creates_no_pod_while_suspended() -> None:
     spec = make_spec(replicas=2, spares=1, **CHECKPOINTED)
     pending = _pods("worker")  # created before the request
