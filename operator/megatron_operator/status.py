@@ -60,6 +60,14 @@ class Reason:
     STATUS_BEHIND_AGENTS = "StatusBehindAgents"
     RECONCILE_RESUMED = "ReconcileResumed"
     SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
+    # The Suspended condition (and its events): spec.suspend (operator/megatron_operator/suspend.py).
+    JOB_SUSPENDED = "JobSuspended"
+    SUSPENDING = "Suspending"
+    WAITING_TO_SUSPEND = "WaitingToSuspend"
+    SUSPEND_CHECKPOINT_FAILED = "SuspendCheckpointFailed"
+    SUSPEND_CHECKPOINT_TIMED_OUT = "SuspendCheckpointTimedOut"
+    RESUMING = "Resuming"
+    RESUMED = "Resumed"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"
@@ -82,6 +90,8 @@ _STATE_OF_PHASE = {
     JobPhase.RUNNING: ConditionType.READY,
     JobPhase.RECOVERING: ConditionType.RECOVERING,
     JobPhase.DEGRADED: ConditionType.RECOVERING,  # waiting for capacity is a recovery that cannot finish yet
+    JobPhase.SUSPENDING: None,
+    JobPhase.SUSPENDED: None,
     JobPhase.FAILED: ConditionType.FAILED,
     JobPhase.SUCCEEDED: ConditionType.SUCCEEDED,
 }
@@ -107,6 +117,7 @@ class Observation:
     step: int | None = None
     checkpoint_step: int | None = None
     generation: int | None = None
+    suspended: tuple[bool, str, str] | None = None  # the Suspended condition to set; None: as it was
 
 
 def set_condition(
@@ -199,6 +210,9 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
             now,
             obs.generation,
         )
+
+    if obs.suspended is not None:
+        conditions = set_condition(conditions, ConditionType.SUSPENDED, *obs.suspended, now, obs.generation)
 
     desired = len(obs.plan.members) if obs.plan is not None else 0
     terminal = obs.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED)
