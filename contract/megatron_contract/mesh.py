@@ -18,6 +18,7 @@ the same model, so neither can act on a plan the other would call invalid.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from datetime import datetime
 
@@ -49,6 +50,16 @@ class StateSourceKind(enum.StrEnum):
     SELF = "self"  # keeps what it holds: it was in the previous epoch with the same coordinates
     PEER = "peer"  # broadcast from a DP peer with the same tp/cp/pp coordinates
     CHECKPOINT = "checkpoint"  # the newest complete distributed checkpoint
+
+
+class OptimizerSourceKind(enum.StrEnum):
+    """Where the ranks' distributed-optimizer shards come from when they enter an epoch (one kind
+    for the whole plan: shards of one step make one consistent state)."""
+
+    SELF = "self"  # layout unchanged: rank r takes the previous epoch's shard of rank r
+    RESHARD = "reshard"  # layout changed: each rank gathers the byte ranges it now owns from the old shards
+    CHECKPOINT = "checkpoint"  # the newest complete distributed checkpoint (defaultCheckpointStep)
+    INIT = "init"  # fresh initialization (first epoch, or nothing saved)
 
 
 class MeshSizes(OpenWireModel):
@@ -193,6 +204,66 @@ class StateSource(OpenWireModel):
     checkpoint_step: int | None = Field(default=None, ge=0, description="For kind=checkpoint: its step.")
 
 
+class ShardCopy(OpenWireModel):
+    """A previous epoch's optimizer shard restored from a host copy instead of its owner's GPU."""
+
+    previous_rank: int = Field(ge=0, description="The shard's owner in the previous epoch.")
+    holder_rank: int = Field(ge=0, description="Rank, in this plan, of the process whose host memory holds the copy.")
+    holder_pod: str = Field(min_length=1, description="The holder's pod.")
+    buddy: bool = Field(
+        description="True: the copy a buddy keeps for the owner (the owner is gone); false: the owner's own host "
+        "snapshot (its GPU state is newer than the step every rank goes back to)."
+    )
+    step: int = Field(ge=0, description="The copy's step: the steps before it are in it.")
+
+
+class OptimizerStatePlan(OpenWireModel):
+    """The distributed optimizer's state in an epoch: its buddy copies and where each shard comes from.
+
+    Sources, for ``source`` self or reshard: the previous epoch's shard of rank ``p`` is taken from
+    the process that is now rank ``holders[p]``: from its GPU, or, when ``p`` is listed in
+    ``copies``, from its host memory. Every such shard is at step ``resumeStep``.
+    """
+
+    replica_interval_steps: int = Field(
+        default=1, ge=1, description="Steps between refreshes of the host copies (spec optimizer.replicaIntervalSteps)."
+    )
+    buddies: bool = Field(
+        default=False,
+        description="Every rank keeps a host copy of its shard with its buddy (MeshPlan.buddy_of), on another pod.",
+    )
+    source: OptimizerSourceKind = Field(description="Where the shards come from, for every rank.")
+    previous_sizes: MeshSizes | None = Field(
+        default=None, description="For source self or reshard: the layout of the previous epoch's shards."
+    )
+    holders: list[int] = Field(
+        default_factory=list,
+        description="For source self or reshard, by previous rank: the rank in this plan of the process holding "
+        "that rank's shard.",
+    )
+    copies: list[ShardCopy] = Field(
+        default_factory=list, description="Previous shards taken from a host copy; the others come from a GPU."
+    )
+    params_from_shards: bool = Field(
+        default=False,
+        description="Every rank's parameters are all-gathered from the restored shards' fp32 main parameters (no "
+        "data-parallel peer holds them at the resume step); else stateSources says where they come from.",
+    )
+    steps_redone: int = Field(
+        default=0, ge=0, description="Steps completed before the failure that are redone (the copies were older)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOrigin:
+    """One previous shard a rank's optimizer shard is made of: its previous owner, the rank that holds
+    it now, and the host copy it is taken from (None: the holder's GPU state)."""
+
+    previous_rank: int
+    holder_rank: int
+    copy: ShardCopy | None
+
+
 class MeshPlan(OpenWireModel):
     """Who trains as what in one epoch of a job."""
 
@@ -216,6 +287,11 @@ class MeshPlan(OpenWireModel):
     )
     state_sources: list[StateSource] = Field(
         default_factory=list, description="Ranks whose source differs from defaultSource, at most one entry each."
+    )
+    optimizer_state: OptimizerStatePlan | None = Field(
+        default=None,
+        description="With the distributed optimizer: its buddy copies and the source of every shard. Older "
+        "trainers ignore it (they reload the checkpoint whenever a shard moves).",
     )
     created_at: datetime | None = None
 
@@ -246,6 +322,8 @@ class MeshPlan(OpenWireModel):
             if pod_of[first] != pod:
                 raise MeshError(f"tensor-parallel group of rank {rank} spans pods {pod_of[first]} and {pod}")
         self._check_state_sources()
+        if self.optimizer_state is not None:
+            self._check_optimizer_state(self.optimizer_state, pod_of)
         return self
 
     def _check_state_sources(self) -> None:
@@ -272,6 +350,66 @@ class MeshPlan(OpenWireModel):
             elif src.kind is StateSourceKind.CHECKPOINT and src.checkpoint_step is None:
                 raise MeshError(f"rank {src.rank}: checkpoint source without checkpointStep")
 
+    def _check_optimizer_state(self, state: OptimizerStatePlan, pod_of: dict[int, str]) -> None:
+        if state.buddies:
+            for rank in range(self.sizes.world):
+                buddy = self.buddy_of(rank)
+                if buddy is None or pod_of[buddy] == pod_of[rank]:
+                    raise MeshError(f"optimizerState.buddies: rank {rank} has no buddy on another pod")
+        if state.source in (OptimizerSourceKind.CHECKPOINT, OptimizerSourceKind.INIT):
+            if state.previous_sizes or state.holders or state.copies or state.params_from_shards or state.steps_redone:
+                raise MeshError(f"optimizerState source {state.source.value} names no previous shards")
+            if self.default_source.value != state.source.value or self.state_sources:
+                raise MeshError(
+                    f"optimizerState source {state.source.value} but defaultSource {self.default_source.value}: "
+                    "a reload or a fresh start is for every rank"
+                )
+            return
+        prev = state.previous_sizes
+        if prev is None or len(state.holders) != prev.world:
+            raise MeshError("optimizerState: source self or reshard needs previousSizes and a holder per previous rank")
+        if (prev.tp, prev.pp, prev.cp, prev.ep) != (self.sizes.tp, self.sizes.pp, self.sizes.cp, self.sizes.ep):
+            raise MeshError("optimizerState: only the data-parallel size may change between epochs")
+        if (state.source is OptimizerSourceKind.SELF) != (prev.dp == self.sizes.dp):
+            raise MeshError("optimizerState: source self needs the previous data-parallel size, reshard another one")
+        if any(h >= self.sizes.world for h in state.holders):
+            raise MeshError(f"optimizerState.holders names a rank outside 0..{self.sizes.world - 1}")
+        if self.default_source in (StateSourceKind.CHECKPOINT, StateSourceKind.INIT):
+            raise MeshError(f"optimizerState restores in memory but defaultSource is {self.default_source.value}")
+        copied: set[int] = set()
+        for copy in state.copies:
+            p = copy.previous_rank
+            if p >= prev.world or p in copied:
+                raise MeshError(f"optimizerState.copies: previous rank {p} outside the old mesh or listed twice")
+            copied.add(p)
+            if copy.holder_rank != state.holders[p] or pod_of[copy.holder_rank] != copy.holder_pod:
+                raise MeshError(f"optimizerState.copies: the copy of previous rank {p} is not where holders says")
+            if copy.step != self.resume_step:
+                raise MeshError(f"optimizerState.copies: rank {p}'s copy is of step {copy.step}, not resumeStep")
+        if state.params_from_shards and (self.state_sources or self.default_source is not StateSourceKind.SELF):
+            raise MeshError("optimizerState.paramsFromShards: stateSources must be the plain self default")
+        if state.steps_redone and (len(copied) != prev.world or not state.params_from_shards):
+            raise MeshError("optimizerState.stepsRedone: every shard and parameter must come from the older copies")
+
+    def buddy_of(self, rank: int) -> int | None:
+        """The rank that keeps a host copy of ``rank``'s optimizer shard: on another pod, so that losing
+        one pod never loses both copies of a shard; None when the mesh is one pod.
+
+        With two units or more (a unit: the replicas of one pod, or the pods of one replica) it is
+        the same model-parallel position in the next unit, so it keeps a shard of its own shard's
+        size; else (one replica over several pods) the same local GPU of the replica's next pod.
+        Either way a permutation: every rank keeps exactly one copy, every pod gpusPerPod copies."""
+        s, gpus = self.sizes, self.gpus_per_pod
+        if s.world // gpus < 2:
+            return None
+        coords = s.coords_of(rank)
+        replicas_per_unit = max(1, gpus // s.model_parallel)
+        if s.dp // replicas_per_unit >= 2:
+            return s.rank_of(coords.model_copy(update={"dp": (coords.dp + replicas_per_unit) % s.dp}))
+        index = (coords.tp + s.tp * (coords.cp + s.cp * coords.pp) + gpus) % s.model_parallel
+        tp, rest = index % s.tp, index // s.tp
+        return s.rank_of(MeshCoords(tp=tp, cp=rest % s.cp, dp=coords.dp, pp=rest // s.cp))
+
     # -- queries used by both sides -------------------------------------------------------------
 
     def member(self, pod: str) -> PlanMember | None:
@@ -297,6 +435,25 @@ class MeshPlan(OpenWireModel):
 
     def _default_source_of(self, rank: int) -> StateSource:
         return StateSource(rank=rank, kind=self.default_source, checkpoint_step=self.default_checkpoint_step)
+
+    def optimizer_sources_of(self, rank: int) -> list[ShardOrigin]:
+        """The previous epoch's shards that ``rank``'s optimizer shard is made of, with where each is
+        now; empty when the plan reloads a checkpoint or starts fresh (or has no optimizerState).
+
+        Layout unchanged: the shard of the same rank. Resharded: every previous shard of its old
+        data-parallel group (Megatron shards over the dp-cp group: same tp and pp coordinates), in
+        that group's order; the rank takes from each the byte ranges it now owns."""
+        state = self.optimizer_state
+        if state is None or state.previous_sizes is None:
+            return []
+        prev = state.previous_sizes
+        copies = {c.previous_rank: c for c in state.copies}
+        if state.source is OptimizerSourceKind.SELF:
+            previous = [rank]
+        else:
+            coords = self.sizes.coords_of(rank)
+            previous = [r for r in range(prev.world) if (c := prev.coords_of(r)).tp == coords.tp and c.pp == coords.pp]
+        return [ShardOrigin(p, state.holders[p], copies.get(p)) for p in previous]
 
     def pod_of_rank(self) -> dict[int, str]:
         """Map from global rank to pod name."""
