@@ -217,12 +217,33 @@ class ShardCopy(OpenWireModel):
     step: int = Field(ge=0, description="The copy's step: the steps before it are in it.")
 
 
+class HolderRun(OpenWireModel):
+    """Previous ranks ``previousRank .. previousRank+count-1`` are held by ranks ``holderRank ..
+    holderRank+count-1`` of this plan."""
+
+    previous_rank: int = Field(ge=0)
+    holder_rank: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+    @staticmethod
+    def runs_of(holders: list[int]) -> list[HolderRun]:
+        """``holders`` (by previous rank) as runs."""
+        runs: list[list[int]] = []  # [previous, holder, count]
+        for previous, holder in enumerate(holders):
+            if runs and runs[-1][1] + runs[-1][2] == holder:
+                runs[-1][2] += 1
+            else:
+                runs.append([previous, holder, 1])
+        return [HolderRun(previous_rank=p, holder_rank=h, count=n) for p, h, n in runs]
+
+
 class OptimizerStatePlan(OpenWireModel):
     """The distributed optimizer's state in an epoch: its buddy copies and where each shard comes from.
 
     Sources, for ``source`` self or reshard: the previous epoch's shard of rank ``p`` is taken from
-    the process that is now rank ``holders[p]``: from its GPU, or, when ``p`` is listed in
-    ``copies``, from its host memory. Every such shard is at step ``resumeStep``.
+    the process that is now rank ``holder_ranks()[p]``: from its GPU, or, when ``p`` is listed in
+    ``copies``, from its host memory. Every such shard is at step ``resumeStep``. Holders travel as
+    runs of consecutive ranks (a plan for 4096 pods x 8 GPUs would carry 32768 of them).
     """
 
     replica_interval_steps: int = Field(
@@ -236,10 +257,10 @@ class OptimizerStatePlan(OpenWireModel):
     previous_sizes: MeshSizes | None = Field(
         default=None, description="For source self or reshard: the layout of the previous epoch's shards."
     )
-    holders: list[int] = Field(
+    holders: list[HolderRun] = Field(
         default_factory=list,
-        description="For source self or reshard, by previous rank: the rank in this plan of the process holding "
-        "that rank's shard.",
+        description="For source self or reshard, by previous rank, in runs: the rank in this plan of the process "
+        "holding that rank's shard.",
     )
     copies: list[ShardCopy] = Field(
         default_factory=list, description="Previous shards taken from a host copy; the others come from a GPU."
@@ -252,6 +273,10 @@ class OptimizerStatePlan(OpenWireModel):
     steps_redone: int = Field(
         default=0, ge=0, description="Steps completed before the failure that are redone (the copies were older)."
     )
+
+    def holder_ranks(self) -> list[int]:
+        """By previous rank: the rank in this plan of the process holding its shard."""
+        return [run.holder_rank + i for run in self.holders for i in range(run.count)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,13 +391,17 @@ class MeshPlan(OpenWireModel):
                 )
             return
         prev = state.previous_sizes
-        if prev is None or len(state.holders) != prev.world:
+        starts = [0]
+        for run in state.holders:
+            starts.append(starts[-1] + run.count)
+        if prev is None or starts[-1] != prev.world or [r.previous_rank for r in state.holders] != starts[:-1]:
             raise MeshError("optimizerState: source self or reshard needs previousSizes and a holder per previous rank")
+        holders = state.holder_ranks()
         if (prev.tp, prev.pp, prev.cp, prev.ep) != (self.sizes.tp, self.sizes.pp, self.sizes.cp, self.sizes.ep):
             raise MeshError("optimizerState: only the data-parallel size may change between epochs")
         if (state.source is OptimizerSourceKind.SELF) != (prev.dp == self.sizes.dp):
             raise MeshError("optimizerState: source self needs the previous data-parallel size, reshard another one")
-        if any(h >= self.sizes.world for h in state.holders):
+        if any(h >= self.sizes.world for h in holders):
             raise MeshError(f"optimizerState.holders names a rank outside 0..{self.sizes.world - 1}")
         if self.default_source in (StateSourceKind.CHECKPOINT, StateSourceKind.INIT):
             raise MeshError(f"optimizerState restores in memory but defaultSource is {self.default_source.value}")
@@ -382,7 +411,7 @@ class MeshPlan(OpenWireModel):
             if p >= prev.world or p in copied:
                 raise MeshError(f"optimizerState.copies: previous rank {p} outside the old mesh or listed twice")
             copied.add(p)
-            if copy.holder_rank != state.holders[p] or pod_of[copy.holder_rank] != copy.holder_pod:
+            if copy.holder_rank != holders[p] or pod_of[copy.holder_rank] != copy.holder_pod:
                 raise MeshError(f"optimizerState.copies: the copy of previous rank {p} is not where holders says")
             if copy.step != self.resume_step:
                 raise MeshError(f"optimizerState.copies: rank {p}'s copy is of step {copy.step}, not resumeStep")
@@ -400,15 +429,19 @@ class MeshPlan(OpenWireModel):
         size; else (one replica over several pods) the same local GPU of the replica's next pod.
         Either way a permutation: every rank keeps exactly one copy, every pod gpusPerPod copies."""
         s, gpus = self.sizes, self.gpus_per_pod
+        if not 0 <= rank < s.world:
+            raise MeshError(f"rank {rank} outside 0..{s.world - 1}")
         if s.world // gpus < 2:
             return None
-        coords = s.coords_of(rank)
+        # Plain arithmetic (a plan check calls this for every rank): rank = low + block*(dp + dp_size*pp)
+        # with low = tp + tp_size*cp, and model-parallel index low + block*pp.
+        block = s.tp * s.cp
+        low, dp, pp = rank % block, rank // block % s.dp, rank // block // s.dp
         replicas_per_unit = max(1, gpus // s.model_parallel)
         if s.dp // replicas_per_unit >= 2:
-            return s.rank_of(coords.model_copy(update={"dp": (coords.dp + replicas_per_unit) % s.dp}))
-        index = (coords.tp + s.tp * (coords.cp + s.cp * coords.pp) + gpus) % s.model_parallel
-        tp, rest = index % s.tp, index // s.tp
-        return s.rank_of(MeshCoords(tp=tp, cp=rest % s.cp, dp=coords.dp, pp=rest // s.cp))
+            return low + block * ((dp + replicas_per_unit) % s.dp + s.dp * pp)
+        index = (low + block * pp + gpus) % s.model_parallel
+        return index % block + block * (dp + s.dp * (index // block))
 
     # -- queries used by both sides -------------------------------------------------------------
 
@@ -453,7 +486,8 @@ class MeshPlan(OpenWireModel):
         else:
             coords = self.sizes.coords_of(rank)
             previous = [r for r in range(prev.world) if (c := prev.coords_of(r)).tp == coords.tp and c.pp == coords.pp]
-        return [ShardOrigin(p, state.holders[p], copies.get(p)) for p in previous]
+        holders = state.holder_ranks()
+        return [ShardOrigin(p, holders[p], copies.get(p)) for p in previous]
 
     def pod_of_rank(self) -> dict[int, str]:
         """Map from global rank to pod name."""

@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from megatron_contract.mesh import (
+    HolderRun,
     MeshPlan,
     MeshSizes,
     OptimizerSourceKind,
@@ -168,7 +169,7 @@ def _in_memory(
         buddies=buddies,
         source=OptimizerSourceKind.SELF if layout_kept else OptimizerSourceKind.RESHARD,
         previous_sizes=prev_sizes,
-        holders=holders,
+        holders=HolderRun.runs_of(holders),
         copies=copies,
         params_from_shards=redone > 0,
         steps_redone=redone,

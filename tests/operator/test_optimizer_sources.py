@@ -89,7 +89,7 @@ def test_a_replaced_pod_takes_its_shards_from_its_buddies_copies() -> None:
     assert new.resume_step == 20 and state.steps_redone == 0 and not state.params_from_shards
     # p2 took ranks 0, 1; their shards are p1's host copies, p1's own stay on its GPUs.
     assert new.member("p2").ranks == [0, 1]  # type: ignore[union-attr]
-    assert state.holders == [2, 3, 2, 3]
+    assert state.holder_ranks() == [2, 3, 2, 3]
     assert [(c.previous_rank, c.holder_pod, c.buddy, c.step) for c in state.copies] == [
         (0, "p1", True, 20),
         (1, "p1", True, 20),
@@ -225,6 +225,8 @@ def check_buddies(plan: MeshPlan) -> None:
     assert sorted(b for b in buddies if b is not None) == list(range(plan.sizes.world))  # one copy each
     for pod in {m.pod for m in plan.members}:  # losing this pod loses no shard's both copies
         assert not any(pod_of[r] == pod and pod_of[b] == pod for r, b in enumerate(buddies) if b is not None)
+    local = {r: i for m in plan.members for i, r in enumerate(m.ranks)}
+    assert all(b is not None and local[b] == local[r] for r, b in enumerate(buddies))  # the same local GPU
     kept = [sum(1 for b in buddies if b is not None and pod_of[b] == m.pod) for m in plan.members]
     assert set(kept) == {plan.gpus_per_pod}  # balanced: every pod keeps gpusPerPod copies
     units = plan.sizes.dp // max(1, plan.gpus_per_pod // plan.sizes.model_parallel)
@@ -345,13 +347,13 @@ def check_sources(
         return
     assert state.source in (OptimizerSourceKind.SELF, OptimizerSourceKind.RESHARD)
     assert state.previous_sizes == old.sizes
-    moved = state.copies or state.holders != list(range(new.sizes.world)) or old.sizes != new.sizes
+    moved = state.copies or state.holder_ranks() != list(range(new.sizes.world)) or old.sizes != new.sizes
     assert in_memory or not moved
     assert new.resume_step == survivors - state.steps_redone
     old_place = {r: (m.pod, m.pod_uid, i) for m in old.members for i, r in enumerate(m.ranks)}
     new_place = {r: (m.pod, m.pod_uid, i) for m in new.members for i, r in enumerate(m.ranks)}
     copy_of = {c.previous_rank: c for c in state.copies}
-    for previous, holder in enumerate(state.holders):
+    for previous, holder in enumerate(state.holder_ranks()):
         copy = copy_of.get(previous)
         if copy is None:  # the owner's GPU, on the very pod it ran on, at the survivors' step
             assert new_place[holder] == old_place[previous] and state.steps_redone == 0
