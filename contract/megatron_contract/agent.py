@@ -65,7 +65,8 @@ class AgentReport(OpenWireModel):
         default_factory=list,
         max_length=4,
         description="With the distributed optimizer: the steps of which this pod holds complete host copies of "
-        "optimizer shards (its own ranks' snapshots and those it keeps for its buddies), newest first.",
+        "optimizer shards (its own ranks' snapshots and those it keeps for its buddies) made under the plan of "
+        "`epoch`, newest first.",
     )
     checkpoint_blocking_seconds: float | None = Field(
         default=None,

@@ -197,7 +197,8 @@ def plan_mesh(
             replacement is taken from outside its failure domain, then outside its node, when such
             a spare is ready.
         copy_steps: with the distributed optimizer, by pod: the steps of which it holds complete host
-            copies of optimizer shards (its agent's report).
+            copies of optimizer shards made under ``previous`` (its agent's ``replicaSteps``, from a
+            report of ``previous``'s epoch: copies of an older epoch follow another buddy assignment).
         in_memory_optimizer: the trainers restore distributed-optimizer shards from host copies and
             reshard them in memory; when not, a shard that moves reloads the checkpoint for everyone.
 
