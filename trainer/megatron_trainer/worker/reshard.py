@@ -67,6 +67,16 @@ class BufferLayout:
         """Elements each rank owns (equal for all: buckets split evenly)."""
         return sum(e - s for s, e in self.buckets) // self.dp
 
+    def local_offset(self, dp_rank: int, offset: int) -> int:
+        """Where the buffer element at ``offset`` (owned by ``dp_rank``) lies in that rank's shard held
+        flat: its bucket slices one after the other."""
+        before = 0
+        for start, end in self.shard(dp_rank):
+            if start <= offset < end:
+                return before + offset - start
+            before += end - start
+        raise ValueError(f"offset {offset} is not in dp rank {dp_rank}'s shard")
+
     def owner(self, offset: int) -> tuple[int, int]:
         """(dp rank owning the buffer element at ``offset``, end of that rank's slice)."""
         for start, end in self.buckets:
