@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 #: Bytes of optimizer state per parameter element: fp32 main parameter and Adam's two moments.
 ADAM_BYTES_PER_ELEMENT = 12
@@ -55,6 +56,25 @@ class BufferLayout:
         layout = DistributedOptimizer._compute_per_buffer_param_layout(params, bucket_size, dp, config)
         spans = tuple((layout.param_index_map[p][0], layout.param_index_map[p][1]) for p in params)
         return cls(dp=dp, params=spans, buckets=tuple(layout.bucket_indices))
+
+    @classmethod
+    def of_buffer(cls, buffer: Any) -> BufferLayout:
+        """The layout of a live megatron-core ``_ParamAndGradBuffer`` (parameters in its order)."""
+        spans = tuple((buffer.param_index_map[p][0], buffer.param_index_map[p][1]) for p in buffer.params)
+        return cls(dp=buffer.data_parallel_world_size, params=spans, buckets=tuple(buffer.bucket_indices))
+
+    @classmethod
+    def of_buffer_for_dp(cls, buffer: Any, dp: int, bucket_size: int | None) -> BufferLayout:
+        """The layout the same parameters had (or will have) at another data-parallel size: the old
+        layout a new build's shards come from."""
+        params = buffer.params
+        return cls.of_megatron(
+            [p.numel() for p in params],
+            dp,
+            bucket_size,
+            {i for i, p in enumerate(params) if getattr(p, "shared_embedding", False)},
+            buffer.ddp_config.pad_buckets_for_high_nccl_busbw,
+        )
 
     def shard(self, dp_rank: int) -> list[tuple[int, int]]:
         """The buffer ranges ``dp_rank`` owns: its slice of every bucket."""
