@@ -11,9 +11,11 @@ agree (:meth:`MeshSizes.shard_key`).
 
 A plan is checked whole when it is parsed: ranks unique and dense, world = tp·pp·cp·dp, ep
 dividing dp, each tensor-parallel group inside one pod, batch geometry adding up to the global
-batch, and every rank's state source pointing at a rank that really holds that state (the same
-shard). Operator and trainer parse
-the same model, so neither can act on a plan the other would call invalid.
+batch, every rank's state source pointing at a rank that really holds that state (the same
+shard), and, with the distributed optimizer (``optimizerState``), every buddy on another pod, a
+holder for every previous shard, host copies all of the resume step, and a reload only ever for
+every rank. Operator and trainer parse the same model, so neither can act on a plan the other
+would call invalid.
 """
 
 from __future__ import annotations
