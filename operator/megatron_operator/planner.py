@@ -21,7 +21,11 @@ A pod keeps its state (``self``) when it stays in the mesh at the same model-par
 (and expert-parallel rank: :meth:`MeshSizes.shard_key`); every other rank receives it from a
 data-parallel peer at the same position that keeps its own,
 or, when no replica holds that shard any more, every rank reloads the newest checkpoint (or, with
-no checkpoint configured, training starts over from the seed).
+no checkpoint configured, training starts over from the seed). With the distributed optimizer each
+rank's optimizer shard is its own: the plan's ``optimizerState`` names where every shard comes
+from (its GPU, a host copy on a buddy's pod, a reshard of the old group's), or, when some shard has
+no live source or the trainers cannot restore them in memory, every rank reloads the checkpoint
+(optimizer_sources.py).
 """
 
 from __future__ import annotations
