@@ -61,6 +61,13 @@ class AgentReport(OpenWireModel):
     checkpoint_step: int | None = Field(
         default=None, ge=0, description="Step of the newest complete distributed checkpoint this pod's workers saved."
     )
+    replica_steps: list[int] = Field(
+        default_factory=list,
+        max_length=4,
+        description="With the distributed optimizer: the steps of which this pod holds complete host copies of "
+        "optimizer shards (its own ranks' snapshots and those it keeps for its buddies) made under the plan of "
+        "`epoch`, newest first.",
+    )
     checkpoint_blocking_seconds: float | None = Field(
         default=None,
         ge=0,

@@ -216,6 +216,15 @@ class OptimizerSpec(WireModel):
         description="Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over data-parallel ranks); "
         "its state recovers through the distributed checkpoint, so it needs spec.checkpoint.",
     )
+    replica_interval_steps: int = Field(
+        default=1,
+        ge=1,
+        le=1_000_000,
+        description="With distributed: steps between refreshes of the host copy of each rank's optimizer shard, kept "
+        "by a rank on another pod (its buddy). 1 loses no completed step when a pod is lost; N redoes up to N-1 steps "
+        "for N times less copying. Until the trainers restore shards from these copies, a lost shard reloads the "
+        "checkpoint.",
+    )
 
 
 class LrDecayStyle(enum.StrEnum):

@@ -11,13 +11,16 @@ agree (:meth:`MeshSizes.shard_key`).
 
 A plan is checked whole when it is parsed: ranks unique and dense, world = tp·pp·cp·dp, ep
 dividing dp, each tensor-parallel group inside one pod, batch geometry adding up to the global
-batch, and every rank's state source pointing at a rank that really holds that state (the same
-shard). Operator and trainer parse
-the same model, so neither can act on a plan the other would call invalid.
+batch, every rank's state source pointing at a rank that really holds that state (the same
+shard), and, with the distributed optimizer (``optimizerState``), every buddy on another pod, a
+holder for every previous shard, host copies all of the resume step, and a reload only ever for
+every rank. Operator and trainer parse the same model, so neither can act on a plan the other
+would call invalid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from datetime import datetime
 
@@ -53,6 +56,16 @@ class StateSourceKind(enum.StrEnum):
     SELF = "self"  # keeps what it holds: it was in the previous epoch with the same coordinates
     PEER = "peer"  # broadcast from a DP peer with the same tp/cp/pp coordinates
     CHECKPOINT = "checkpoint"  # the newest complete distributed checkpoint
+
+
+class OptimizerSourceKind(enum.StrEnum):
+    """Where the ranks' distributed-optimizer shards come from when they enter an epoch (one kind
+    for the whole plan: shards of one step make one consistent state)."""
+
+    SELF = "self"  # layout unchanged: rank r takes the previous epoch's shard of rank r
+    RESHARD = "reshard"  # layout changed: each rank gathers the byte ranges it now owns from the old shards
+    CHECKPOINT = "checkpoint"  # the newest complete distributed checkpoint (defaultCheckpointStep)
+    INIT = "init"  # fresh initialization (first epoch, or nothing saved)
 
 
 class MeshSizes(OpenWireModel):
@@ -197,6 +210,91 @@ class StateSource(OpenWireModel):
     checkpoint_step: int | None = Field(default=None, ge=0, description="For kind=checkpoint: its step.")
 
 
+class ShardCopy(OpenWireModel):
+    """A previous epoch's optimizer shard restored from a host copy instead of its owner's GPU."""
+
+    previous_rank: int = Field(ge=0, description="The shard's owner in the previous epoch.")
+    holder_rank: int = Field(ge=0, description="Rank, in this plan, of the process whose host memory holds the copy.")
+    holder_pod: str = Field(min_length=1, description="The holder's pod.")
+    buddy: bool = Field(
+        description="True: the copy a buddy keeps for the owner (the owner is gone); false: the owner's own host "
+        "snapshot (its GPU state is newer than the step every rank goes back to)."
+    )
+    step: int = Field(ge=0, description="The copy's step: the steps before it are in it.")
+
+
+class HolderRun(OpenWireModel):
+    """Previous ranks ``previousRank .. previousRank+count-1`` are held by ranks ``holderRank ..
+    holderRank+count-1`` of this plan."""
+
+    previous_rank: int = Field(ge=0)
+    holder_rank: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+    @staticmethod
+    def runs_of(holders: list[int]) -> list[HolderRun]:
+        """``holders`` (by previous rank) as runs."""
+        runs: list[list[int]] = []  # [previous, holder, count]
+        for previous, holder in enumerate(holders):
+            if runs and runs[-1][1] + runs[-1][2] == holder:
+                runs[-1][2] += 1
+            else:
+                runs.append([previous, holder, 1])
+        return [HolderRun(previous_rank=p, holder_rank=h, count=n) for p, h, n in runs]
+
+
+class OptimizerStatePlan(OpenWireModel):
+    """The distributed optimizer's state in an epoch: its buddy copies and where each shard comes from.
+
+    Sources, for ``source`` self or reshard: the previous epoch's shard of rank ``p`` is taken from
+    the process that is now rank ``holder_ranks()[p]``: from its GPU, or, when ``p`` is listed in
+    ``copies``, from its host memory. Every such shard is at step ``resumeStep``. Holders travel as
+    runs of consecutive ranks (a plan for 4096 pods x 8 GPUs would carry 32768 of them).
+    """
+
+    replica_interval_steps: int = Field(
+        default=1, ge=1, description="Steps between refreshes of the host copies (spec optimizer.replicaIntervalSteps)."
+    )
+    buddies: bool = Field(
+        default=False,
+        description="Every rank keeps a host copy of its shard with its buddy (MeshPlan.buddy_of), on another pod.",
+    )
+    source: OptimizerSourceKind = Field(description="Where the shards come from, for every rank.")
+    previous_sizes: MeshSizes | None = Field(
+        default=None, description="For source self or reshard: the layout of the previous epoch's shards."
+    )
+    holders: list[HolderRun] = Field(
+        default_factory=list,
+        description="For source self or reshard, by previous rank, in runs: the rank in this plan of the process "
+        "holding that rank's shard.",
+    )
+    copies: list[ShardCopy] = Field(
+        default_factory=list, description="Previous shards taken from a host copy; the others come from a GPU."
+    )
+    params_from_shards: bool = Field(
+        default=False,
+        description="Every rank's parameters are all-gathered from the restored shards' fp32 main parameters (no "
+        "data-parallel peer holds them at the resume step); else stateSources says where they come from.",
+    )
+    steps_redone: int = Field(
+        default=0, ge=0, description="Steps completed before the failure that are redone (the copies were older)."
+    )
+
+    def holder_ranks(self) -> list[int]:
+        """By previous rank: the rank in this plan of the process holding its shard."""
+        return [run.holder_rank + i for run in self.holders for i in range(run.count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOrigin:
+    """One previous shard a rank's optimizer shard is made of: its previous owner, the rank that holds
+    it now, and the host copy it is taken from (None: the holder's GPU state)."""
+
+    previous_rank: int
+    holder_rank: int
+    copy: ShardCopy | None
+
+
 class MeshPlan(OpenWireModel):
     """Who trains as what in one epoch of a job."""
 
@@ -220,6 +318,11 @@ class MeshPlan(OpenWireModel):
     )
     state_sources: list[StateSource] = Field(
         default_factory=list, description="Ranks whose source differs from defaultSource, at most one entry each."
+    )
+    optimizer_state: OptimizerStatePlan | None = Field(
+        default=None,
+        description="With the distributed optimizer: its buddy copies and the source of every shard. Older "
+        "trainers ignore it (they reload the checkpoint whenever a shard moves).",
     )
     created_at: datetime | None = None
 
@@ -250,6 +353,8 @@ class MeshPlan(OpenWireModel):
             if pod_of[first] != pod:
                 raise MeshError(f"tensor-parallel group of rank {rank} spans pods {pod_of[first]} and {pod}")
         self._check_state_sources()
+        if self.optimizer_state is not None:
+            self._check_optimizer_state(self.optimizer_state, pod_of)
         return self
 
     def _check_state_sources(self) -> None:
@@ -276,6 +381,74 @@ class MeshPlan(OpenWireModel):
             elif src.kind is StateSourceKind.CHECKPOINT and src.checkpoint_step is None:
                 raise MeshError(f"rank {src.rank}: checkpoint source without checkpointStep")
 
+    def _check_optimizer_state(self, state: OptimizerStatePlan, pod_of: dict[int, str]) -> None:
+        if state.buddies:
+            for rank in range(self.sizes.world):
+                buddy = self.buddy_of(rank)
+                if buddy is None or pod_of[buddy] == pod_of[rank]:
+                    raise MeshError(f"optimizerState.buddies: rank {rank} has no buddy on another pod")
+        if state.source in (OptimizerSourceKind.CHECKPOINT, OptimizerSourceKind.INIT):
+            if state.previous_sizes or state.holders or state.copies or state.params_from_shards or state.steps_redone:
+                raise MeshError(f"optimizerState source {state.source.value} names no previous shards")
+            if self.default_source.value != state.source.value or self.state_sources:
+                raise MeshError(
+                    f"optimizerState source {state.source.value} but defaultSource {self.default_source.value}: "
+                    "a reload or a fresh start is for every rank"
+                )
+            return
+        prev = state.previous_sizes
+        starts = [0]
+        for run in state.holders:
+            starts.append(starts[-1] + run.count)
+        if prev is None or starts[-1] != prev.world or [r.previous_rank for r in state.holders] != starts[:-1]:
+            raise MeshError("optimizerState: source self or reshard needs previousSizes and a holder per previous rank")
+        holders = state.holder_ranks()
+        if (prev.tp, prev.pp, prev.cp, prev.ep) != (self.sizes.tp, self.sizes.pp, self.sizes.cp, self.sizes.ep):
+            raise MeshError("optimizerState: only the data-parallel size may change between epochs")
+        if (state.source is OptimizerSourceKind.SELF) != (prev.dp == self.sizes.dp):
+            raise MeshError("optimizerState: source self needs the previous data-parallel size, reshard another one")
+        if any(h >= self.sizes.world for h in holders):
+            raise MeshError(f"optimizerState.holders names a rank outside 0..{self.sizes.world - 1}")
+        if self.default_source in (StateSourceKind.CHECKPOINT, StateSourceKind.INIT):
+            raise MeshError(f"optimizerState restores in memory but defaultSource is {self.default_source.value}")
+        copied: set[int] = set()
+        for copy in state.copies:
+            p = copy.previous_rank
+            if p >= prev.world or p in copied:
+                raise MeshError(f"optimizerState.copies: previous rank {p} outside the old mesh or listed twice")
+            copied.add(p)
+            if copy.holder_rank != holders[p] or pod_of[copy.holder_rank] != copy.holder_pod:
+                raise MeshError(f"optimizerState.copies: the copy of previous rank {p} is not where holders says")
+            if copy.step != self.resume_step:
+                raise MeshError(f"optimizerState.copies: rank {p}'s copy is of step {copy.step}, not resumeStep")
+        if state.params_from_shards and (self.state_sources or self.default_source is not StateSourceKind.SELF):
+            raise MeshError("optimizerState.paramsFromShards: stateSources must be the plain self default")
+        if state.steps_redone and (len(copied) != prev.world or not state.params_from_shards):
+            raise MeshError("optimizerState.stepsRedone: every shard and parameter must come from the older copies")
+
+    def buddy_of(self, rank: int) -> int | None:
+        """The rank that keeps a host copy of ``rank``'s optimizer shard: on another pod, so that losing
+        one pod never loses both copies of a shard; None when the mesh is one pod.
+
+        With two units or more (a unit: the replicas of one pod, or the pods of one replica) it is
+        the same model-parallel position in the next unit, so it keeps a shard of its own shard's
+        size; else (one replica over several pods) the same local GPU of the replica's next pod.
+        Either way a permutation: every rank keeps exactly one copy, every pod gpusPerPod copies."""
+        s, gpus = self.sizes, self.gpus_per_pod
+        if not 0 <= rank < s.world:
+            raise MeshError(f"rank {rank} outside 0..{s.world - 1}")
+        if s.world // gpus < 2:
+            return None
+        # Plain arithmetic (a plan check calls this for every rank): rank = low + block*(dp + dp_size*pp)
+        # with low = tp + tp_size*cp, and model-parallel index low + block*pp.
+        block = s.tp * s.cp
+        low, dp, pp = rank % block, rank // block % s.dp, rank // block // s.dp
+        replicas_per_unit = max(1, gpus // s.model_parallel)
+        if s.dp // replicas_per_unit >= 2:
+            return low + block * ((dp + replicas_per_unit) % s.dp + s.dp * pp)
+        index = (low + block * pp + gpus) % s.model_parallel
+        return index % block + block * (dp + s.dp * (index // block))
+
     # -- queries used by both sides -------------------------------------------------------------
 
     def member(self, pod: str) -> PlanMember | None:
@@ -301,6 +474,26 @@ class MeshPlan(OpenWireModel):
 
     def _default_source_of(self, rank: int) -> StateSource:
         return StateSource(rank=rank, kind=self.default_source, checkpoint_step=self.default_checkpoint_step)
+
+    def optimizer_sources_of(self, rank: int) -> list[ShardOrigin]:
+        """The previous epoch's shards that ``rank``'s optimizer shard is made of, with where each is
+        now; empty when the plan reloads a checkpoint or starts fresh (or has no optimizerState).
+
+        Layout unchanged: the shard of the same rank. Resharded: every previous shard of its old
+        data-parallel group (Megatron shards over the dp-cp group: same tp and pp coordinates), in
+        that group's order; the rank takes from each the byte ranges it now owns."""
+        state = self.optimizer_state
+        if state is None or state.previous_sizes is None:
+            return []
+        prev = state.previous_sizes
+        copies = {c.previous_rank: c for c in state.copies}
+        if state.source is OptimizerSourceKind.SELF:
+            previous = [rank]
+        else:
+            coords = self.sizes.coords_of(rank)
+            previous = [r for r in range(prev.world) if (c := prev.coords_of(r)).tp == coords.tp and c.pp == coords.pp]
+        holders = state.holder_ranks()
+        return [ShardOrigin(p, holders[p], copies.get(p)) for p in previous]
 
     def pod_of_rank(self) -> dict[int, str]:
         """Map from global rank to pod name."""

@@ -125,6 +125,13 @@ class HeartbeatBook:
         steps = [hb.report.checkpoint_step for hb in self._last.get(job_uid, {}).values()]
         return max((s for s in steps if s is not None), default=None)
 
+    def replica_steps(self, job_uid: str, epoch: int) -> dict[str, list[int]]:
+        """By pod: the steps of the complete host copies of optimizer shards it holds, from reports
+        of ``epoch`` only (an older epoch's copies follow another buddy assignment); the planner's
+        ``copy_steps``."""
+        seen = self._last.get(job_uid, {})
+        return {pod: list(hb.report.replica_steps) for pod, hb in seen.items() if hb.report.epoch == epoch}
+
     def checkpoint_unusable(self, job_uid: str) -> str | None:
         """Why a restore gave up, if an agent of the job reported one (no checkpoint passed verification)."""
         found = [hb.report.checkpoint_unusable for hb in self._last.get(job_uid, {}).values()]

@@ -21,7 +21,11 @@ A pod keeps its state (``self``) when it stays in the mesh at the same model-par
 (and expert-parallel rank: :meth:`MeshSizes.shard_key`); every other rank receives it from a
 data-parallel peer at the same position that keeps its own,
 or, when no replica holds that shard any more, every rank reloads the newest checkpoint (or, with
-no checkpoint configured, training starts over from the seed).
+no checkpoint configured, training starts over from the seed). With the distributed optimizer each
+rank's optimizer shard is its own: the plan's ``optimizerState`` names where every shard comes
+from (its GPU, a host copy on a buddy's pod, a reshard of the old group's), or, when some shard has
+no live source or the trainers cannot restore them in memory, every rank reloads the checkpoint
+(optimizer_sources.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from megatron_contract.mesh import (
     MeshCoords,
     MeshPlan,
     MeshSizes,
+    OptimizerSourceKind,
+    OptimizerStatePlan,
     PlanMember,
     PlanReason,
     Rendezvous,
@@ -45,6 +51,7 @@ from megatron_contract.mesh import (
     StateSourceKind,
 )
 from megatron_contract.wire import AGENT_PORT, RENDEZVOUS_PORT
+from megatron_operator.optimizer_sources import optimizer_sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +173,8 @@ def plan_mesh(
     retry: bool = False,
     now: datetime | None = None,
     placement: Mapping[str, Placement] | None = None,
+    copy_steps: Mapping[str, Collection[int]] | None = None,
+    in_memory_optimizer: bool = False,
 ) -> PlanDecision:
     """The next mesh plan.
 
@@ -191,6 +200,11 @@ def plan_mesh(
         placement: where pods run (or ran), by name, failed ones included: a failed pod's
             replacement is taken from outside its failure domain, then outside its node, when such
             a spare is ready.
+        copy_steps: with the distributed optimizer, by pod: the steps of which it holds complete host
+            copies of optimizer shards made under ``previous`` (its agent's ``replicaSteps``, from a
+            report of ``previous``'s epoch: copies of an older epoch follow another buddy assignment).
+        in_memory_optimizer: the trainers restore distributed-optimizer shards from host copies and
+            reshard them in memory; when not, a shard that moves reloads the checkpoint for everyone.
 
     Returns:
         The decision; its plan, when new, has passed every invariant of :class:`MeshPlan`.
@@ -215,7 +229,19 @@ def plan_mesh(
         units = [[pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)]
         promoted = tuple(p.name for u in units for p in u if p.name not in active)
         plan = _build(
-            spec, job_uid, 1, PlanReason.INITIAL, shape, units, None, 0, checkpoint_step, now, store_hosts, True
+            spec,
+            job_uid,
+            1,
+            PlanReason.INITIAL,
+            shape,
+            units,
+            None,
+            0,
+            checkpoint_step,
+            now,
+            store_hosts,
+            True,
+            _NO_COPIES,
         )
         return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
 
@@ -302,6 +328,7 @@ def plan_mesh(
         now,
         store_hosts,
         previous_trained,
+        _Copies(copy_steps or {}, in_memory_optimizer),
     )
     message = (
         f"{reason.value}: mesh {previous.mesh_label} -> {plan.mesh_label}"
@@ -417,6 +444,7 @@ def _build(
     now: datetime | None,
     store_hosts: Sequence[str],
     previous_trained: bool,
+    copies: _Copies,
 ) -> MeshPlan:
     dp = len(units) * shape.replicas_per_unit
     sizes = MeshSizes(world=spec.model_parallel * dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, dp=dp, ep=spec.ep)
@@ -436,7 +464,12 @@ def _build(
             )
 
     sources = _state_sources(sizes, members, mp_key_of, previous, checkpoint_step, previous_trained)
-    if previous is not None and sources.default is not StateSourceKind.SELF:
+    optimizer_state = None
+    if spec.training.optimizer.distributed:
+        sources, optimizer_state, resume_step = _with_optimizer_shards(
+            spec, sizes, members, previous, sources, resume_step, checkpoint_step, previous_trained, copies
+        )
+    elif previous is not None and sources.default is not StateSourceKind.SELF:
         # Some shard is held by nobody: everyone restarts from the checkpoint step (or from 0).
         resume_step = sources.checkpoint_step or 0
     members.sort(key=lambda m: m.ranks[0])
@@ -454,8 +487,62 @@ def _build(
         default_source=sources.default,
         default_checkpoint_step=sources.checkpoint_step,
         state_sources=sources.listed,
+        optimizer_state=optimizer_state,
         created_at=now,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Copies:
+    """What the planner knows of the distributed optimizer's host copies."""
+
+    steps: Mapping[str, Collection[int]]  # by pod: steps of the complete copies it holds
+    in_memory: bool  # the trainers restore shards from them (and reshard in memory)
+
+
+_NO_COPIES = _Copies({}, False)
+
+
+def _with_optimizer_shards(
+    spec: MegatronJobSpec,
+    sizes: MeshSizes,
+    members: list[PlanMember],
+    previous: MeshPlan | None,
+    sources: _Sources,
+    resume_step: int,
+    checkpoint_step: int | None,
+    previous_trained: bool,
+    copies: _Copies,
+) -> tuple[_Sources, OptimizerStatePlan, int]:
+    """The state sources, optimizer state plan and resume step with the distributed optimizer,
+    whose shards move whenever a rank or the data-parallel size changes."""
+    found = optimizer_sources(
+        sizes,
+        spec.gpus_per_pod,
+        members,
+        previous,
+        interval_steps=spec.training.optimizer.replica_interval_steps,
+        survivors_step=resume_step,
+        previous_trained=previous_trained,
+        copy_steps=copies.steps,
+        in_memory=copies.in_memory,
+    )
+    if found.reload:
+        if previous is not None:
+            kind = StateSourceKind.CHECKPOINT if checkpoint_step is not None else StateSourceKind.INIT
+            step = checkpoint_step if kind is StateSourceKind.CHECKPOINT else None
+            sources = _Sources(kind, step, [], frozenset())
+            resume_step = step or 0
+        state = found.state.model_copy(update={"source": OptimizerSourceKind(sources.default.value)})
+        return sources, state, resume_step
+    assert found.resume_step is not None
+    state = found.state
+    if state.params_from_shards or sources.default is not StateSourceKind.SELF:
+        # No data-parallel peer holds some model shard at the resume step: every rank gathers its
+        # parameters from the restored shards' fp32 main parameters.
+        state = state.model_copy(update={"params_from_shards": True})
+        sources = _Sources(StateSourceKind.SELF, None, [], sources.keepers)
+    return sources, state, found.resume_step
 
 
 @dataclasses.dataclass(frozen=True)

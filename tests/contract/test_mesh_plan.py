@@ -3,7 +3,9 @@ expert-parallel ranks are those of megatron-core's own expert groups (property t
 divide dp; a valid plan parses; plans with duplicate or missing ranks, a TP group across pods, a
 wrong batch split, or a state source that does not hold the state (another model shard, or another
 share of the experts) are refused; the batch split always adds up and sample ranges of one step
-tile the global batch exactly."""
+tile the global batch exactly; a distributed optimizer's ``optimizerState`` names a holder for every
+previous shard (and refuses one missing, misplaced, outside the mesh, of another layout, or a copy
+of another step, and a reload or a redo that is not for every rank)."""
 
 from __future__ import annotations
 
@@ -227,3 +229,73 @@ def test_unlisted_ranks_take_the_default_source() -> None:
     assert {(s.kind, s.checkpoint_step) for s in restart.sources()} == {(StateSourceKind.CHECKPOINT, 40)}
     assert restart.source_kinds() == {StateSourceKind.CHECKPOINT}
     assert "stateSources" not in {k for k, v in restart.to_wire().items() if v}
+
+
+SIZES_2X2 = {"world": 4, "tp": 2, "pp": 1, "cp": 1, "dp": 2}
+
+
+def optimizer_state(**overrides: object) -> dict[str, object]:
+    """A valid optimizerState for :func:`make_plan`'s mesh: w-0 kept old ranks 0 and 1 on its GPUs and
+    holds its buddies' copies of old ranks 2 and 3 (spare-0 replaced their pod)."""
+    state: dict[str, object] = {
+        "buddies": True,
+        "source": "self",
+        "previousSizes": SIZES_2X2,
+        "holders": [{"previousRank": 0, "holderRank": 0, "count": 2}, {"previousRank": 2, "holderRank": 0, "count": 2}],
+        "copies": [
+            {"previousRank": 2, "holderRank": 0, "holderPod": "w-0", "buddy": True, "step": 10},
+            {"previousRank": 3, "holderRank": 1, "holderPod": "w-0", "buddy": True, "step": 10},
+        ],
+    }
+    state.update(overrides)
+    return state
+
+
+def test_optimizer_state_names_every_shards_holder() -> None:
+    plan = MeshPlan.model_validate(make_plan(optimizerState=optimizer_state()))
+    assert [plan.buddy_of(r) for r in range(4)] == [2, 3, 0, 1]
+    assert plan.optimizer_state is not None and plan.optimizer_state.holder_ranks() == [0, 1, 0, 1]
+    origin = plan.optimizer_sources_of(2)
+    assert [(o.previous_rank, o.holder_rank, o.copy is not None) for o in origin] == [(2, 0, True)]
+    assert MeshPlan.model_validate(plan.to_wire()) == plan
+
+
+@pytest.mark.parametrize(
+    ("state", "plan_overrides", "message"),
+    [
+        ({"holders": [{"previousRank": 0, "holderRank": 0, "count": 3}]}, {}, "a holder per previous rank"),
+        ({"holders": [{"previousRank": 1, "holderRank": 0, "count": 4}]}, {}, "a holder per previous rank"),
+        ({"source": "reshard"}, {}, "reshard another one"),
+        (
+            {
+                "previousSizes": {**SIZES_2X2, "world": 8, "pp": 2},
+                "holders": [
+                    {"previousRank": 0, "holderRank": 0, "count": 4},
+                    {"previousRank": 4, "holderRank": 0, "count": 4},
+                ],
+            },
+            {},
+            "only the data-parallel size",
+        ),
+        ({"holders": [{"previousRank": 0, "holderRank": 2, "count": 4}]}, {}, "outside"),
+        (
+            {"copies": [{"previousRank": 2, "holderRank": 0, "holderPod": "w-0", "buddy": True, "step": 10}] * 2},
+            {},
+            "listed twice",
+        ),
+        (
+            {"copies": [{"previousRank": 2, "holderRank": 0, "holderPod": "spare-0", "buddy": True, "step": 10}]},
+            {},
+            "not where",
+        ),
+        ({"source": "checkpoint", "previousSizes": None, "holders": [], "copies": []}, {}, "for every rank"),
+        ({"paramsFromShards": True}, {}, "paramsFromShards"),
+        ({"stepsRedone": 2, "paramsFromShards": True}, {"stateSources": []}, "stepsRedone"),
+        ({}, {"defaultSource": "checkpoint", "defaultCheckpointStep": 4, "stateSources": []}, "restores in memory"),
+    ],
+)
+def test_optimizer_state_that_misplaces_a_shard_is_refused(
+    state: dict[str, object], plan_overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        MeshPlan.model_validate(make_plan(optimizerState=optimizer_state(**state), **plan_overrides))

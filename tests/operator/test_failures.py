@@ -4,8 +4,8 @@ Scenarios: every pod-level source (deleting, evicted, phase Failed, container te
 error, container restarted, node NotReady or Unknown) marks a pod failed with its reason; exit 0
 is success; a running pod with an address is ready, one without is pending; heartbeat watchdogs are
 armed by the first heartbeat only; self-reported failure, accusations by epoch, the step every
-member completed, the newest checkpoint, a restore that gave up and success of all members are
-read from the book.
+member completed, the newest checkpoint, the steps of each pod's host copies of optimizer shards
+(of one epoch), a restore that gave up and success of all members are read from the book.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def test_book_reads_accusations_steps_and_success() -> None:
     book.record(_report("b", step=8, checkpointStep=5), 0)
     book.record(_report("a", step=9, checkpointStep=0), 0)
     assert book.checkpoint_step("j") == 5  # a checkpoint is global: the newest any agent reported
+    book.record(_report("b", step=8, replicaSteps=[8, 7]), 0)
+    book.record(_report("c", epoch=2, replicaSteps=[3]), 0)
+    assert book.replica_steps("j", 1) == {"a": [], "b": [8, 7]}  # copies of another epoch do not count
     assert book.checkpoint_unusable("j") is None
     book.record(_report("b", step=8, checkpointUnusable="no usable checkpoint at or before step 5"), 0)
     assert book.checkpoint_unusable("j") == "no usable checkpoint at or before step 5"

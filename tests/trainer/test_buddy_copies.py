@@ -1,0 +1,116 @@
+"""Host copies of optimizer shards kept by buddies (worker/buddy_copies.py), in real gloo processes.
+
+Scenario (4 processes, buddies a ring 0->1->2->3->0): refreshes of steps 1 and 2 finish; the one of
+step 3 is started (in step 1's buffers) and, while in flight, the complete copy is still that
+of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
+yet a copy and a second refresh is refused; once finished, steps 3 and 2 are kept and step 1 is
+gone (two generations). Bad buddy assignments are refused without processes. Every process a test starts is
+waited for, and killed if it outlives the test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from localcluster.cluster import free_port
+from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
+
+_RANK = r"""
+import datetime, json, sys
+import torch, torch.distributed as dist
+from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
+
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+buddies = [(r + 1) % world for r in range(world)]
+ward = ward_of(buddies)[rank]
+copies = BuddyCopies(rank, buddies[rank], ward)
+
+def shards(r, step):
+    return [torch.full((5, 3), 100.0 * r + step), torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) + r + step]
+
+def holds(step):
+    return all(torch.equal(a, b) for a, b in zip(copies.own(step), shards(rank, step))) and all(
+        torch.equal(a, b) for a, b in zip(copies.ward_copy(step), shards(ward, step))
+    )
+
+out = {}
+for step in (1, 2):
+    copies.start_refresh(step, shards(rank, step))
+    copies.finish_refresh()
+copies.start_refresh(3, shards(rank, 3))
+out["in_flight_steps"] = copies.complete_steps()
+out["in_flight_holds_2"] = holds(2)
+try:
+    copies.ward_copy(3)
+    out["step_3_early"] = "given"
+except KeyError:
+    out["step_3_early"] = "refused"
+try:
+    copies.start_refresh(4, shards(rank, 4))
+    out["second_refresh"] = "started"
+except RuntimeError:
+    out["second_refresh"] = "refused"
+copies.finish_refresh()
+out["steps"] = copies.complete_steps()
+out["holds_3_and_2"] = holds(3) and holds(2)
+try:
+    copies.own(1)
+    out["step_1"] = "kept"
+except KeyError:
+    out["step_1"] = "gone"
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_refreshes_keep_two_complete_generations_and_the_previous_one_while_in_flight() -> None:
+    world, port = 4, free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(world), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in results:
+        assert r == {
+            "in_flight_steps": [2],
+            "in_flight_holds_2": True,
+            "step_3_early": "refused",
+            "second_refresh": "refused",
+            "steps": [3, 2],
+            "holds_3_and_2": True,
+            "step_1": "gone",
+        }
+
+
+def test_bad_buddy_assignments_are_refused() -> None:
+    assert ward_of([1, 2, 0]) == [2, 0, 1]
+    with pytest.raises(ValueError, match="permutation"):
+        ward_of([1, 1, 0])
+    with pytest.raises(ValueError, match="own copy"):
+        BuddyCopies(rank=0, buddy=0, ward=1)
+    with pytest.raises(ValueError, match="two generations"):
+        BuddyCopies(rank=0, buddy=1, ward=1, generations=1)

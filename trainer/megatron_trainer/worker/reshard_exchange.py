@@ -1,0 +1,76 @@
+"""Moving distributed-optimizer shards between processes, point to point, as a reshard's transfers
+(worker/reshard.py) say: each process sends the ranges it holds (its own old shard, or the host
+copies it keeps for its buddies) and receives into its new shard exactly the ranges it now owns.
+No process gathers more than its own shard, and nothing goes through storage.
+
+A shard is held flat, one row per element of the shard (its bucket slices one after the other) and
+one column per state tensor (fp32 main parameter, Adam's two moments): a range of elements is then
+a contiguous block of rows, sent as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_trainer.worker.reshard import BufferLayout, Transfer
+
+
+def exchange_shards(
+    transfers: Sequence[Transfer],
+    old: BufferLayout,
+    new: BufferLayout,
+    held: Mapping[int, torch.Tensor],
+    holder_of_old: Sequence[int],
+    process_of_new: Sequence[int],
+    me: int,
+    *,
+    columns: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """This process's new shard, ``(new.shard_numel, columns)`` (None when it owns none), its
+    padding rows zero.
+
+    Args:
+        transfers: ``reshard_transfers(old, new)``.
+        held: by old dp rank, the old shards this process holds, ``(old.shard_numel, columns)``.
+        holder_of_old: by old dp rank, the (global) rank of the process holding that old shard.
+        process_of_new: by new dp rank, the (global) rank of its process.
+        me: this process's global rank.
+
+    Raises:
+        ValueError: a shard this process should hold is missing or has the wrong shape.
+    """
+    if len(holder_of_old) != old.dp or len(process_of_new) != new.dp:
+        raise ValueError(f"holders for {len(holder_of_old)} old and {len(process_of_new)} new dp ranks")
+    for rank, holder in enumerate(holder_of_old):
+        if holder == me:
+            shard = held.get(rank)
+            if shard is None or tuple(shard.shape) != (old.shard_numel, columns):
+                raise ValueError(f"old shard {rank} is to come from this process, which holds none of that shape")
+    mine = [r for r, p in enumerate(process_of_new) if p == me]
+    if len(mine) > 1:
+        raise ValueError(f"process {me} is given new dp ranks {mine}")
+    result = torch.zeros(new.shard_numel, columns, dtype=dtype, device=device) if mine else None
+    ops: list[dist.P2POp] = []
+    for tag, t in enumerate(transfers):
+        source, dest = holder_of_old[t.source], process_of_new[t.dest]
+        if me not in (source, dest):
+            continue
+        rows = old.local_offset(t.source, t.source_start)
+        into = new.local_offset(t.dest, t.dest_start)
+        if source == dest:
+            assert result is not None
+            result[into : into + t.numel] = held[t.source][rows : rows + t.numel]
+        elif source == me:
+            ops.append(dist.P2POp(dist.isend, held[t.source][rows : rows + t.numel].contiguous(), dest, tag=tag))
+        else:
+            assert result is not None
+            ops.append(dist.P2POp(dist.irecv, result[into : into + t.numel], source, tag=tag))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return result
