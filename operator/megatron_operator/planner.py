@@ -382,6 +382,7 @@ def plan_resume(
         now,
         store_hosts,
         False,
+        _NO_COPIES,  # the suspended pods, and the host copies they held, are gone
     )
     start = f"the checkpoint of step {checkpoint_step}" if checkpoint_step is not None else "the seed (nothing trained)"
     return PlanDecision(
