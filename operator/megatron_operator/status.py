@@ -259,9 +259,14 @@ def status_changed(old: MegatronJobStatus, new: MegatronJobStatus) -> bool:
 PROGRESS_WRITE_BYTES_PER_SECOND = 64 * 1024
 
 
-def progress_only(old: MegatronJobStatus, new: MegatronJobStatus) -> bool:
-    """Whether ``new`` differs from ``old`` in the committed step and goodput alone."""
-    return not status_changed(old, new.model_copy(update={"step": old.step, "goodput": old.goodput}))
+_PROGRESS_KEYS = ("step", "goodput")
+
+
+def progress_only(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether status body ``new`` differs from ``old`` in the committed step and goodput alone."""
+    return all(old.get(k) == v for k, v in new.items() if k not in _PROGRESS_KEYS) and not (
+        set(old) - set(new) - set(_PROGRESS_KEYS)
+    )
 
 
 def progress_write_gap(body: dict[str, Any]) -> float:

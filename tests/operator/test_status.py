@@ -110,12 +110,16 @@ def test_fields_and_no_op() -> None:
 def test_a_step_alone_is_progress_and_its_writes_are_spaced_by_the_status_size() -> None:
     status = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, step=42), T0)
     later = compute_status(status, _obs(JobPhase.RUNNING, step=43), T0 + timedelta(seconds=2))
-    assert status_changed(status, later) and progress_only(status, later)
+    assert status_changed(status, later) and progress_only(status_body(status), status_body(later))
     # Anything else that changes is written at once, the step with it.
     recovering = compute_status(status, _obs(JobPhase.RECOVERING, step=43), T0 + timedelta(seconds=2))
-    assert not progress_only(status, recovering)
-    assert not progress_only(status, compute_status(status, _obs(JobPhase.RUNNING, step=42, spares_ready=0), T0))
-    assert not progress_only(status, compute_status(status, _obs(JobPhase.RUNNING, step=42, checkpoint_step=40), T0))
+    for other in (
+        recovering,
+        compute_status(status, _obs(JobPhase.RUNNING, step=42, spares_ready=0), T0),
+        compute_status(status, _obs(JobPhase.RUNNING, step=42, checkpoint_step=40), T0),
+    ):
+        assert not progress_only(status_body(status), status_body(other))
+        assert not progress_only(status_body(other), status_body(status))
     # The gap grows with the object: a plan of 4096 pods waits seconds, a small job a fraction of one.
     small = progress_write_gap(status_body(status))
     big_plan = plan_mesh(make_spec(replicas=4096, spares=1), JOB_UID, make_pod_refs(4096), [], [], None).plan
