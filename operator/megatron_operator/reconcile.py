@@ -288,7 +288,6 @@ def assess(
     going = {p.name for p in pods if p.node in draining and p.name not in members}
     failures = [f for f in failures if f.pod not in going]
     failed = frozenset(known_failures) | {f.pod for f in failures}
-    by_name = {p.name: p for p in pods}
 
     if signals.checkpoint_unusable is not None:
         # Two checkpoints failed verification (worker/checkpoint.py); a new plan would restore
@@ -309,19 +308,106 @@ def assess(
         done = Terminal(JobPhase.SUCCEEDED, Reason.TRAINING_FINISHED, f"trained {spec.training.train_iters} steps")
         return _wind_down(status, pods, plan, known_failures, terminal=done, failures=tuple(failures))
 
-    alive = [p for p in pods if p.name not in failed and not p.deleting and health[p.name][0] is not PodHealth.FAILED]
-    ready = sorted((p for p in alive if health[p.name][0] is PodHealth.READY), key=lambda p: p.serial)
-    ref = {p.name: PodRef(p.name, p.uid, p.ip or "") for p in ready}
-    # Pods that may join a plan: running, and their agent said recently that its workers are warm.
-    warm = set(signals.warm) if signals.warm is not None else set(ref)
-    finishing = any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
-    # While a suspension is asked for, pods on draining nodes stay: they are about to go anyway.
-    leaving = {p.name for p in alive if p.node in draining} if suspend is None else set()
-    suspending: Suspension | None = None
-    drain_waiting: str | None = None
+    pool = _Pool.of(pods, health, failed, signals, draining if suspend is None else ())
+    verdict = _next_plan(
+        spec, job_uid, status, pool, signals, failures, failed, known_failures, pods, health,
+        checkpoint_step=checkpoint_step, start_small=start_small, settling=settling, placement=placement,
+        suspend=suspend, resuming=resuming, now=now,
+    )  # fmt: skip
+    if verdict.early is not None:
+        return verdict.early
+    decision, suspending, resuming = verdict.decision, verdict.suspending, verdict.resuming
+    if resuming is not None and decision is not None and decision.outcome is Outcome.NEW_PLAN:
+        resuming = suspension.resumed(decision.message)
+    changes = _pod_changes(
+        spec, status, pool, pods, health, failed, {**known_failures, **{f.pod: f for f in failures}}, expected,
+        decision, suspending,
+    )  # fmt: skip
+    in_force = decision.plan if decision is not None and decision.plan is not None else plan
+    member_names = {m.pod for m in in_force.members} if in_force is not None else set()
+    ready_names = {p.name for p in pool.ready}
+    return Assessment(
+        failures=tuple(failures),
+        failed=failed,
+        decision=decision,
+        create_workers=changes.create_workers,
+        create_spares=changes.create_spares,
+        delete=changes.delete,
+        retire=changes.retire,
+        ready_workers=len(member_names & ready_names),
+        spares_ready=len((ready_names & pool.warm) - member_names - pool.leaving),
+        doubted=tuple(doubted),
+        partition=partition,
+        moved_off=changes.moved_off,
+        drain_waiting=verdict.drain_waiting,
+        suspension=suspending or resuming,
+    )
 
-    decision: PlanDecision | None = None
-    terminal: Terminal | None = None
+
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+    """The job's pods that may hold ranks, as this assessment sees them."""
+
+    alive: list[PodFacts]  # not failed, not being deleted
+    ready: list[PodFacts]  # alive and ready, oldest first
+    ref: dict[str, PodRef]  # the ready ones, as the planner takes them
+    warm: set[str]  # pods whose agent said recently that its workers are warm
+    leaving: set[str]  # alive pods on draining nodes
+
+    @classmethod
+    def of(
+        cls,
+        pods: Sequence[PodFacts],
+        health: Mapping[str, tuple[PodHealth, Failure | None]],
+        failed: Collection[str],
+        signals: AgentSignals,
+        draining: Collection[str],
+    ) -> _Pool:
+        alive = [
+            p for p in pods if p.name not in failed and not p.deleting and health[p.name][0] is not PodHealth.FAILED
+        ]
+        ready = sorted((p for p in alive if health[p.name][0] is PodHealth.READY), key=lambda p: p.serial)
+        ref = {p.name: PodRef(p.name, p.uid, p.ip or "") for p in ready}
+        warm = set(signals.warm) if signals.warm is not None else set(ref)
+        return cls(alive, ready, ref, warm, {p.name for p in alive if p.node in draining})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """What the plan in force becomes: a decision, or an assessment that ends the job's turn."""
+
+    decision: PlanDecision | None
+    drain_waiting: str | None = None
+    suspending: Suspension | None = None
+    resuming: Suspension | None = None
+    early: Assessment | None = None  # the job winds down or its pods stop: nothing else applies
+
+
+def _next_plan(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    status: MegatronJobStatus,
+    pool: _Pool,
+    signals: AgentSignals,
+    failures: list[Failure],
+    failed: frozenset[str],
+    known_failures: Mapping[str, Failure],
+    pods: Sequence[PodFacts],
+    health: Mapping[str, tuple[PodHealth, Failure | None]],
+    *,
+    checkpoint_step: int | None,
+    start_small: bool,
+    settling: bool,
+    placement: Mapping[str, Placement] | None,
+    suspend: SuspendRequest | None,
+    resuming: Suspension | None,
+    now: datetime,
+) -> _Verdict:
+    """The plan decision: the first plan, or what the plan in force becomes (a replacement, a
+    shrink or growth, a drain's migration, a suspension), or the end of the job."""
+    plan = status.plan
+    members = [m.pod for m in plan.members] if plan is not None else []
+    ready, ref, warm, leaving = pool.ready, pool.ref, pool.warm, pool.leaving
     if plan is None:
         # The first plan waits for the full mesh (starting small and growing at once costs a
         # re-mesh), but not forever: after the wait it takes the pods that run, if enough for
@@ -331,157 +417,157 @@ def assess(
             workers = [ref[p.name] for p in usable if p.role == wire.ROLE_WORKER]
             spares = [ref[p.name] for p in usable if p.role != wire.ROLE_WORKER]
             decision = plan_mesh(spec, job_uid, workers, spares, failed, None, store_hosts=signals.fresh)
-    elif finishing:
-        decision = PlanDecision(Outcome.UNCHANGED, plan)
-    else:
-        member_set = set(members)
-        active = [ref[n] for n in members if n in ref]
-        spares = [ref[p.name] for p in ready if p.name not in member_set and p.name in warm]
-        if suspend is not None and member_set <= {p.name for p in active} and not member_set & failed:
-            spares = []  # nothing to replace: a suspension brings no spare in (the mesh does not grow)
-        # Reported steps are counts of completed steps, i.e. the index of the next step: the
-        # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
-        # trainers agree on their actual step at rendezvous (worker/verify.py).
-        resume = signals.completed_step
+            return _Verdict(decision, resuming=resuming)
+        return _Verdict(None, resuming=resuming)
+    if any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members):  # the others finish too
+        return _Verdict(PlanDecision(Outcome.UNCHANGED, plan), resuming=resuming)
+    member_set = set(members)
+    active = [ref[n] for n in members if n in ref]
+    spares = [ref[p.name] for p in ready if p.name not in member_set and p.name in warm]
+    if suspend is not None and member_set <= {p.name for p in active} and not member_set & failed:
+        spares = []  # nothing to replace: a suspension brings no spare in (the mesh does not grow)
+    # Reported steps are counts of completed steps, i.e. the index of the next step: the
+    # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
+    # trainers agree on their actual step at rendezvous (worker/verify.py).
+    resume = signals.completed_step
 
-        def plan_without(away: Collection[str], resume: int | None = resume, retry: bool = False) -> PlanDecision:
-            return plan_mesh(
-                spec,
-                job_uid,
-                [p for p in active if p.name not in away],
-                [p for p in spares if p.name not in away],
-                failed,
-                plan,
-                resume_step=resume,
-                checkpoint_step=checkpoint_step,
-                store_hosts=[h for h in signals.fresh if h not in away],
-                previous_trained=status.committed_epoch >= plan.epoch,
-                retry=retry or _abandoned(plan, signals, failed),
-                placement=placement,
-            )
-
-        decision = plan_without(leaving)
-        moving = sorted(leaving & member_set)
-        if moving:
-            if resume is not None and set(decision.lost) <= set(moving):
-                # Nothing failed: the members switch at a step boundary ahead, which every one of
-                # them (the leaving ones too) reaches and commits in the old mesh; a plan at the
-                # reported step would abort the step in flight, which one may commit and another not.
-                decision = plan_without(leaving, resume + boundary_lead(spec, signals.step_seconds))
-            decision, drain_waiting = _migration(decision, plan_without(()), moving, set(failed))
-        if suspend is None and plan.reason is PlanReason.SUSPEND and decision.outcome is Outcome.UNCHANGED:
-            # The suspension was withdrawn before the pods stopped: the members (who stop at the
-            # suspend plan's step) join again with the state they hold and train on.
-            again = plan_without(leaving, retry=True)
-            if again.outcome is Outcome.NEW_PLAN and again.plan is not None and not again.lost:
-                message = f"resume: the suspension was withdrawn; mesh {again.plan.mesh_label} trains on"
-                decision = dataclasses.replace(
-                    again, plan=again.plan.model_copy(update={"reason": PlanReason.RESUME}), message=message
-                )
-                resuming = suspension.resumed(message)
-        if settling and decision.outcome is not Outcome.UNCHANGED:
-            decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
-            resuming = None
-        if suspend is not None:
-            suspending, decision = suspension.decide(
-                suspend,
-                spec,
-                status,
-                decision,
-                outcome=signals.suspend_outcome,
-                checkpoint_step=checkpoint_step,
-                reported_step=resume,
-                step_seconds=signals.step_seconds,
-                settling=settling,
-                now=now,
-                replan=lambda at: plan_without((), at, retry=True),
-            )
-            if suspending.stage is Stage.STOP:
-                return Assessment(
-                    failures=tuple(failures),
-                    failed=failed,
-                    decision=decision,
-                    retire=tuple(p.name for p in pods if not p.deleting and p.name not in failed),
-                    delete=tuple((p.name, False) for p in pods if not p.deleting and p.name in failed),
-                    suspension=suspending,
-                )
-        # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
-        new_plan = decision.plan if decision.outcome is Outcome.NEW_PLAN else None
-        needs_recovery = decision.outcome is Outcome.WAIT or (new_plan is not None and is_recovery(new_plan))
-        terminal = _recovery_budget(spec, status, needs_recovery, new_plan, decision.message) or _state_lost(
-            status, plan, new_plan
+    def plan_without(away: Collection[str], resume: int | None = resume, retry: bool = False) -> PlanDecision:
+        return plan_mesh(
+            spec,
+            job_uid,
+            [p for p in active if p.name not in away],
+            [p for p in spares if p.name not in away],
+            failed,
+            plan,
+            resume_step=resume,
+            checkpoint_step=checkpoint_step,
+            store_hosts=[h for h in signals.fresh if h not in away],
+            previous_trained=status.committed_epoch >= plan.epoch,
+            retry=retry or _abandoned(plan, signals, failed),
+            placement=placement,
         )
-        if terminal is not None:
-            return _wind_down(
-                status,
-                pods,
-                plan,
-                {**known_failures, **{f.pod: f for f in failures}},
-                terminal=terminal,
-                failures=tuple(failures),
-            )
 
+    drain_waiting: str | None = None
+    decision = plan_without(leaving)
+    moving = sorted(leaving & member_set)
+    if moving:
+        if resume is not None and set(decision.lost) <= set(moving):
+            # Nothing failed: the members switch at a step boundary ahead, which every one of
+            # them (the leaving ones too) reaches and commits in the old mesh; a plan at the
+            # reported step would abort the step in flight, which one may commit and another not.
+            decision = plan_without(leaving, resume + boundary_lead(spec, signals.step_seconds))
+        decision, drain_waiting = _migration(decision, plan_without(()), moving, set(failed))
+    if suspend is None and plan.reason is PlanReason.SUSPEND and decision.outcome is Outcome.UNCHANGED:
+        # The suspension was withdrawn before the pods stopped: the members (who stop at the
+        # suspend plan's step) join again with the state they hold and train on.
+        again = plan_without(leaving, retry=True)
+        if again.outcome is Outcome.NEW_PLAN and again.plan is not None and not again.lost:
+            message = f"resume: the suspension was withdrawn; mesh {again.plan.mesh_label} trains on"
+            decision = dataclasses.replace(
+                again, plan=again.plan.model_copy(update={"reason": PlanReason.RESUME}), message=message
+            )
+            resuming = suspension.resumed(message)
+    if settling and decision.outcome is not Outcome.UNCHANGED:
+        decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
+        resuming = None
+    suspending: Suspension | None = None
+    if suspend is not None:
+        suspending, decision = suspension.decide(
+            suspend,
+            spec,
+            status,
+            decision,
+            outcome=signals.suspend_outcome,
+            checkpoint_step=checkpoint_step,
+            reported_step=resume,
+            step_seconds=signals.step_seconds,
+            settling=settling,
+            now=now,
+            replan=lambda at: plan_without((), at, retry=True),
+        )
+        if suspending.stage is Stage.STOP:
+            stop = Assessment(
+                failures=tuple(failures),
+                failed=failed,
+                decision=decision,
+                retire=tuple(p.name for p in pods if not p.deleting and p.name not in failed),
+                delete=tuple((p.name, False) for p in pods if not p.deleting and p.name in failed),
+                suspension=suspending,
+            )
+            return _Verdict(decision, early=stop)
+    # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
+    new_plan = decision.plan if decision.outcome is Outcome.NEW_PLAN else None
+    needs_recovery = decision.outcome is Outcome.WAIT or (new_plan is not None and is_recovery(new_plan))
+    terminal = _recovery_budget(spec, status, needs_recovery, new_plan, decision.message) or _state_lost(
+        status, plan, new_plan
+    )
+    if terminal is not None:
+        why = {**known_failures, **{f.pod: f for f in failures}}
+        end = _wind_down(status, pods, plan, why, terminal=terminal, failures=tuple(failures))
+        return _Verdict(decision, early=end)
+    return _Verdict(decision, drain_waiting, suspending, resuming)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PodChanges:
+    create_workers: int
+    create_spares: int
+    delete: tuple[tuple[str, bool], ...]  # (pod, force)
+    retire: tuple[str, ...]
+    moved_off: tuple[str, ...]
+
+
+def _pod_changes(
+    spec: MegatronJobSpec,
+    status: MegatronJobStatus,
+    pool: _Pool,
+    pods: Sequence[PodFacts],
+    health: Mapping[str, tuple[PodHealth, Failure | None]],
+    failed: frozenset[str],
+    why: Mapping[str, Failure],
+    expected: Collection[str],
+    decision: PlanDecision | None,
+    suspending: Suspension | None,
+) -> _PodChanges:
+    """Pods to create, delete (failed), retire (surplus) and let go (moved off draining nodes)."""
+    plan = status.plan
     # Replenish: one new pod for every pod of the full mesh plus spares that is not alive (or on
     # its way). Before the first plan the missing workers are created as workers.
     target = spec.worker_pods + spec.spares
+    by_name = {p.name for p in pods}
     on_the_way = [n for n in expected if n not in by_name]
     # Pods on draining nodes are going: their replacements are made now, on other nodes.
-    staying = [p for p in alive if p.name not in leaving]
+    staying = [p for p in pool.alive if p.name not in pool.leaving]
     deficit = max(0, target - len(staying) - len(on_the_way))
     create_workers = 0
     if plan is None and decision is None:
-        worker_pods_alive = sum(1 for p in alive if p.role == wire.ROLE_WORKER)
+        worker_pods_alive = sum(1 for p in pool.alive if p.role == wire.ROLE_WORKER)
         create_workers = min(deficit, max(0, spec.worker_pods - worker_pods_alive))
     create_spares = deficit - create_workers
     if suspending is not None and suspending.stage not in (Stage.WAIT, Stage.REFUSED):
         create_workers = create_spares = 0  # the pods are about to go: only a recovery needs new ones
-    if resuming is not None and decision is not None and decision.outcome is Outcome.NEW_PLAN:
-        resuming = suspension.resumed(decision.message)
 
-    why = {**known_failures, **{f.pod: f for f in failures}}
     delete = tuple(
         (p.name, _force_delete(health[p.name][1]) or _force_delete(why.get(p.name)))
         for p in pods
         if (p.name in failed or health[p.name][0] is PodHealth.FAILED) and not p.deleting
     )
-
     in_force = decision.plan if decision is not None and decision.plan is not None else plan
-    member_names = {m.pod for m in in_force.members} if in_force is not None else set()
-    retire: tuple[str, ...] = ()
-    moved_off: tuple[str, ...] = ()
-    if in_force is not None:
-        # More pods than the mesh plus spares (spec.replicas or spec.spares lowered): the surplus
-        # outside the plan goes, pods not yet ready first, then the newest.
-        surplus = len(staying) + len(on_the_way) - target
-        outside = sorted(
-            (p for p in staying if p.name not in member_names),
-            key=lambda p: (health[p.name][0] is PodHealth.READY, -p.serial),
-        )
-        retire = tuple(p.name for p in outside[: max(0, surplus)])
-        # A pod on a draining node goes once it holds no rank and the plan in force has trained
-        # (until then a retry may still need a former member, or a spare).
-        if status.committed_epoch >= in_force.epoch:
-            moved_off = tuple(sorted(leaving - member_names))
-    else:
-        moved_off = tuple(sorted(leaving))
-    ready_names = {p.name for p in ready}
-    return Assessment(
-        failures=tuple(failures),
-        failed=failed,
-        decision=decision,
-        create_workers=create_workers,
-        create_spares=create_spares,
-        delete=delete,
-        retire=retire,
-        terminal=terminal,
-        ready_workers=len(member_names & ready_names),
-        spares_ready=len((ready_names & warm) - member_names - leaving),
-        doubted=tuple(doubted),
-        partition=partition,
-        moved_off=moved_off,
-        drain_waiting=drain_waiting,
-        suspension=suspending or resuming,
+    if in_force is None:
+        return _PodChanges(create_workers, create_spares, delete, (), tuple(sorted(pool.leaving)))
+    member_names = {m.pod for m in in_force.members}
+    # More pods than the mesh plus spares (spec.replicas or spec.spares lowered): the surplus
+    # outside the plan goes, pods not yet ready first, then the newest.
+    surplus = len(staying) + len(on_the_way) - target
+    outside = sorted(
+        (p for p in staying if p.name not in member_names),
+        key=lambda p: (health[p.name][0] is PodHealth.READY, -p.serial),
     )
+    retire = tuple(p.name for p in outside[: max(0, surplus)])
+    # A pod on a draining node goes once it holds no rank and the plan in force has trained
+    # (until then a retry may still need a former member, or a spare).
+    moved_off = tuple(sorted(pool.leaving - member_names)) if status.committed_epoch >= in_force.epoch else ()
+    return _PodChanges(create_workers, create_spares, delete, retire, moved_off)
 
 
 def _resume(
