@@ -218,32 +218,7 @@ def plan_mesh(
     spares = [p for p in healthy_spares if p.name not in failed_set and p.name not in active]
 
     if previous is None:
-        pool = list(active.values()) + spares
-        n_units = shape.whole(min(max_units, len(pool) // shape.pods_per_unit))
-        if n_units < min_units or n_units == 0:
-            return PlanDecision(
-                Outcome.WAIT,
-                None,
-                message=f"{len(pool)} healthy pods; the first plan needs {min_units * shape.pods_per_unit}",
-            )
-        units = [[pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)]
-        promoted = tuple(p.name for u in units for p in u if p.name not in active)
-        plan = _build(
-            spec,
-            job_uid,
-            1,
-            PlanReason.INITIAL,
-            shape,
-            units,
-            None,
-            0,
-            checkpoint_step,
-            now,
-            store_hosts,
-            True,
-            _NO_COPIES,
-        )
-        return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
+        return _first_plan(spec, job_uid, shape, active, spares, checkpoint_step, now, store_hosts)
 
     previous_units = _previous_units(previous, shape)
     uid_of = {m.pod: m.pod_uid for m in previous.members}
@@ -276,34 +251,7 @@ def plan_mesh(
             ),
         )
 
-    # Keep intact units; rebuild the damaged units with the most survivors first; the survivors of
-    # the damaged units not rebuilt join the pool and fill the holes of the ones that are.
-    by_survivors = sorted(damaged, key=lambda u: -sum(1 for n in u if n in survivors))
-    slots: list[list[str] | None]
-    if shape.ep == 1:
-        keep_damaged = by_survivors[: max(0, n_units - len(intact))]
-        kept = {id(u) for u in intact[:n_units]} | {id(u) for u in keep_damaged}
-        # Kept units stay in their previous order, so dp ranks move as little as possible.
-        slots = [u for u in previous_units if id(u) in kept]
-        slots += [None] * (n_units - len(slots))
-    else:
-        slots = _by_expert_rank(intact + by_survivors, previous_units, n_units, shape)
-    placed = {id(u) for u in slots if u is not None}
-    # Spares first, so released pods tend to stay spares; but a pod in a failure domain that just
-    # lost pods (the same node, rack or zone) comes last: what took the lost pod may take it next.
-    fillers: list[PodRef] = list(spares)
-    fillers.extend(active[n] for u in previous_units if id(u) not in placed for n in u if n in survivors)
-    suspect = _suspect_domains(lost, placement)
-    fillers = [p for _, p in sorted(enumerate(fillers), key=lambda ip: (*suspect(ip[1]), ip[0]))]
-    fillers.reverse()  # pop() takes the first
-
-    new_units: list[list[PodRef]] = []
-    for slot in slots:
-        if slot is None:
-            new_units.append([fillers.pop() for _ in range(shape.pods_per_unit)])
-        else:
-            new_units.append([active[name] if name in survivors else fillers.pop() for name in slot])
-
+    new_units = _new_units(shape, previous_units, intact, damaged, survivors, n_units, active, spares, lost, placement)
     members = {p.name for u in new_units for p in u}
     promoted = tuple(p.name for u in new_units for p in u if p.name not in survivors)
     released = tuple(sorted(n for n in survivors if n not in members))
@@ -339,6 +287,89 @@ def plan_mesh(
         + (f"; every member abandoned epoch {previous.epoch}, joining again" if retry and not lost else "")
     )
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
+
+
+def _first_plan(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    shape: UnitShape,
+    active: Mapping[str, PodRef],
+    spares: Sequence[PodRef],
+    checkpoint_step: int | None,
+    now: datetime | None,
+    store_hosts: Sequence[str],
+) -> PlanDecision:
+    """The job's first plan: as many whole units of the pods as the spec asks for, workers first."""
+    max_units, min_units = shape.units_for(spec.replicas), shape.units_for(spec.min_replicas)
+    pool = [*active.values(), *spares]
+    n_units = shape.whole(min(max_units, len(pool) // shape.pods_per_unit))
+    if n_units < min_units or n_units == 0:
+        return PlanDecision(
+            Outcome.WAIT,
+            None,
+            message=f"{len(pool)} healthy pods; the first plan needs {min_units * shape.pods_per_unit}",
+        )
+    units = [[pool[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)]
+    promoted = tuple(p.name for u in units for p in u if p.name not in active)
+    plan = _build(
+        spec,
+        job_uid,
+        1,
+        PlanReason.INITIAL,
+        shape,
+        units,
+        None,
+        0,
+        checkpoint_step,
+        now,
+        store_hosts,
+        True,
+        _NO_COPIES,
+    )
+    return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
+
+
+def _new_units(
+    shape: UnitShape,
+    previous_units: list[list[str]],
+    intact: list[list[str]],
+    damaged: list[list[str]],
+    survivors: set[str],
+    n_units: int,
+    active: Mapping[str, PodRef],
+    spares: Sequence[PodRef],
+    lost: Sequence[str],
+    placement: Mapping[str, Placement],
+) -> list[list[PodRef]]:
+    """The pods of each unit of the next mesh: surviving units where they were, holes filled."""
+    # Keep intact units; rebuild the damaged units with the most survivors first; the survivors of
+    # the damaged units not rebuilt join the pool and fill the holes of the ones that are.
+    by_survivors = sorted(damaged, key=lambda u: -sum(1 for n in u if n in survivors))
+    slots: list[list[str] | None]
+    if shape.ep == 1:
+        keep_damaged = by_survivors[: max(0, n_units - len(intact))]
+        kept = {id(u) for u in intact[:n_units]} | {id(u) for u in keep_damaged}
+        # Kept units stay in their previous order, so dp ranks move as little as possible.
+        slots = [u for u in previous_units if id(u) in kept]
+        slots += [None] * (n_units - len(slots))
+    else:
+        slots = _by_expert_rank(intact + by_survivors, previous_units, n_units, shape)
+    placed = {id(u) for u in slots if u is not None}
+    # Spares first, so released pods tend to stay spares; but a pod in a failure domain that just
+    # lost pods (the same node, rack or zone) comes last: what took the lost pod may take it next.
+    fillers: list[PodRef] = list(spares)
+    fillers.extend(active[n] for u in previous_units if id(u) not in placed for n in u if n in survivors)
+    suspect = _suspect_domains(lost, placement)
+    fillers = [p for _, p in sorted(enumerate(fillers), key=lambda ip: (*suspect(ip[1]), ip[0]))]
+    fillers.reverse()  # pop() takes the first
+
+    new_units: list[list[PodRef]] = []
+    for slot in slots:
+        if slot is None:
+            new_units.append([fillers.pop() for _ in range(shape.pods_per_unit)])
+        else:
+            new_units.append([active[name] if name in survivors else fillers.pop() for name in slot])
+    return new_units
 
 
 def boundary_lead(spec: MegatronJobSpec, step_seconds: float | None) -> int:
