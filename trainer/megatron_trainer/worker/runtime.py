@@ -29,6 +29,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -444,30 +445,7 @@ class Worker:
             phases.update({f"rebuild_{k}": v for k, v in ts.build_seconds.items()})
 
             t = time.perf_counter()
-            assert self.store is not None
-            moved = restore_from_peers(ts, plan, self.device, self.store, interrupted, phases)
-            if StateSourceKind.CHECKPOINT in plan.source_kinds():
-                if self.spec.checkpoint is None:
-                    raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
-                step = plan.source_of(self.rank).checkpoint_step
-                step = step if step is not None else plan.resume_step
-                # Raises CheckpointUnusable after two checkpoints failed verification: the worker then
-                # fails (reported) instead of restoring again and again.
-                try:
-                    checkpoint.restore_checkpoint(
-                        ts,
-                        self.spec,
-                        step,
-                        on_rejected=lambda s, why: self.send(
-                            CheckpointProblem(epoch=plan.epoch, step=s, kind="rejected", detail=why[:1000])
-                        ),
-                        phases=phases,
-                    )
-                except checkpoint.CheckpointUnusable as err:
-                    self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="unusable", detail=str(err)[:1000]))
-                    raise
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            moved = self._restore(ts, plan, interrupted, phases)
             phases["restore"] = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -508,6 +486,37 @@ class Worker:
         finally:
             if self.saver is not None:
                 self.saver.abandon()  # a save this epoch did not complete (nothing when none)
+
+    def _restore(
+        self, ts: TrainState, plan: MeshPlan, interrupted: Callable[[], bool], phases: dict[str, float]
+    ) -> int:
+        """The state this rank does not hold: from data-parallel peers, or the checkpoint the plan
+        names. Returns the bytes received from peers."""
+        assert self.store is not None
+        moved = restore_from_peers(ts, plan, self.device, self.store, interrupted, phases)
+        if StateSourceKind.CHECKPOINT in plan.source_kinds():
+            if self.spec.checkpoint is None:
+                raise ValueError("plan restores from a checkpoint but the job has no spec.checkpoint")
+            step = plan.source_of(self.rank).checkpoint_step
+            step = step if step is not None else plan.resume_step
+            # Raises CheckpointUnusable after two checkpoints failed verification: the worker then
+            # fails (reported) instead of restoring again and again.
+            try:
+                checkpoint.restore_checkpoint(
+                    ts,
+                    self.spec,
+                    step,
+                    on_rejected=lambda s, why: self.send(
+                        CheckpointProblem(epoch=plan.epoch, step=s, kind="rejected", detail=why[:1000])
+                    ),
+                    phases=phases,
+                )
+            except checkpoint.CheckpointUnusable as err:
+                self.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="unusable", detail=str(err)[:1000]))
+                raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return moved
 
     def _train(self, plan: MeshPlan, phases: dict[str, float]) -> None:
         assert self.ts is not None
