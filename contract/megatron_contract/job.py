@@ -701,6 +701,9 @@ class ConditionType(enum.StrEnum):
     #: True while the operator keeps its hands off the job because it cannot trust its status: the
     #: status cannot be read by this version, or the agents hold a newer epoch than it records.
     RECONCILE_PAUSED = "ReconcilePaused"
+    #: Only on a job queued through Kueue (labelled ``kueue.x-k8s.io/queue-name``): True once Kueue
+    #: admitted its Workload; False while it waits for admission or after an eviction.
+    QUEUE_ADMITTED = "QueueAdmitted"
 
 
 class Condition(OpenWireModel):

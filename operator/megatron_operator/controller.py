@@ -31,7 +31,7 @@ from megatron_contract.agent import AgentReport
 from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import builders, kube, metrics, skew
+from megatron_operator import builders, kube, metrics, queueing, skew
 from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
@@ -39,6 +39,7 @@ from megatron_operator.goodput import GoodputLedger
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome, Placement
 from megatron_operator.push import PlanPusher, PushOutcome, PushResult
+from megatron_operator.queueing import Gate, QueueGate, Verdict
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import (
@@ -105,6 +106,7 @@ class JobController:
         token_key: bytes | None = None,
         node_labels: Callable[[str], Mapping[str, str]] | None = None,
         draining: Callable[[], Collection[str]] | None = None,
+        workload_of: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.job = job
         self.body = body  # kopf's live view of the job
@@ -116,6 +118,9 @@ class JobController:
         self.node_labels = node_labels or (lambda _: {})
         self.draining = draining or (lambda: ())
         self.drain_waiting: str | None = None  # the last "drain waits" said, so it is said once
+        # Kueue (queueing.py): the job's Workload as watched, and what it allows this pass.
+        self.queue = QueueGate(job, workload_of or (lambda: None))
+        self.gate: Gate | None = None
         # Where the job's pods run (node, failure domain), kept a while after a pod is gone: a failed
         # pod's replacement is taken from another domain (planner.py).
         self.node_of: dict[str, str] = {}
@@ -388,6 +393,11 @@ class JobController:
             self.hold = hold
             await self._announce_hold(hold)
             return
+        self.gate = await self.queue.gate(self.body, spec)
+        if self.gate is not None and self.gate.verdict is not Verdict.ADMITTED:
+            await self._wait_for_queue(spec, self.gate, pods, generation)
+            return
+        await self._note_admission(self.gate, generation)
         nodes = self.nodes()
         self._place(spec, pods, members)
         a = assess(
@@ -569,6 +579,85 @@ class JobController:
             committed_epoch=committed_epoch,
         )
         self._post(events)
+
+    async def _wait_for_queue(
+        self, spec: MegatronJobSpec, gate: Gate, pods: list[PodFacts], generation: int | None
+    ) -> None:
+        """No pod while Kueue has not admitted the job. After an eviction the pods go (deleted as
+        surplus, not failures), then the Workload's quota is given back and it queues again."""
+        events: list[tuple[str, str, str]] = []
+        if gate.verdict is Verdict.EVICTED:
+            reason = Reason.QUEUE_EVICTED
+            live = [p.name for p in pods if not p.deleting]
+            if live:
+                await self._retire(live)
+                events.append(
+                    (
+                        "Warning",
+                        Reason.QUEUE_EVICTED,
+                        f"Kueue evicted the job ({gate.message}): deleted {', '.join(live)}",
+                    )
+                )
+            elif not pods and await self.queue.release():
+                events.append(
+                    (
+                        "Normal",
+                        Reason.QUEUE_QUOTA_RELEASED,
+                        "the job's pods are gone: its Workload's quota is given back",
+                    )
+                )
+        else:
+            reason = Reason.WAITING_FOR_QUEUE_ADMISSION
+        now = _now()
+        conditions = set_condition(
+            self.status.conditions, ConditionType.QUEUE_ADMITTED, False, reason, gate.message, now, generation
+        )
+        old = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
+        obs = Observation(
+            phase=JobPhase.PENDING,
+            reason=reason,
+            message=gate.message,
+            plan=self.plan,
+            replicas=spec.replicas,
+            ready_workers=0,
+            spares_ready=0,
+            spares_wanted=spec.spares,
+            recoveries=self.status.recoveries,
+            committed_epoch=self.status.committed_epoch,
+            recovery_epoch=self.status.recovery_epoch,
+            last_recovery_duration=self.status.last_recovery_duration_seconds,
+            last_failure=self.status.last_failure,
+            checkpoint_step=self._checkpoint_step(),
+            generation=generation,
+        )
+        new = compute_status(old, obs, now)
+        if status_changed(self.status, new):
+            await kube.write_status(self.job.namespace, self.job.name, status_body(new))
+            if condition(self.status, ConditionType.QUEUE_ADMITTED) != condition(new, ConditionType.QUEUE_ADMITTED):
+                log.info("%s/%s: not admitted by Kueue: %s", self.job.namespace, self.job.name, gate.message)
+            self.status = new
+        self._post(events)
+
+    async def _note_admission(self, gate: Gate | None, generation: int | None) -> None:
+        """``QueueAdmitted=True`` once Kueue admits a queued job (written, and said in an event)."""
+        if gate is None:
+            return
+        old = condition(self.status, ConditionType.QUEUE_ADMITTED)
+        if old is not None and old.status == "True":
+            return
+        conditions = set_condition(
+            self.status.conditions,
+            ConditionType.QUEUE_ADMITTED,
+            True,
+            Reason.QUEUE_ADMITTED,
+            gate.message,
+            _now(),
+            generation,
+        )
+        new = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
+        await kube.write_status(self.job.namespace, self.job.name, status_body(new))
+        self.status = new
+        self._post([("Normal", Reason.QUEUE_ADMITTED, gate.message)])
 
     def _place(self, spec: MegatronJobSpec, pods: list[PodFacts], members: list[str]) -> None:
         """Note where each pod runs; forget pods gone from both the index and the plan in force."""
@@ -764,16 +853,15 @@ class JobController:
             )
             log.warning("%s/%s: %s", self.job.namespace, self.job.name, self.backoffs[Child.POD].error)
             return []
+        roles = [wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE for i in range(count)]
         bodies = [
-            builders.build_pod(
-                self.job,
-                spec,
-                serial=start + i,
-                role=wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE,
-                operator_url=self.settings.url,
-            )
-            for i in range(count)
+            builders.build_pod(self.job, spec, serial=start + i, role=role, operator_url=self.settings.url)
+            for i, role in enumerate(roles)
         ]
+        if self.gate is not None:  # where Kueue admitted the job: its flavors' nodes
+            bodies = [
+                queueing.with_node_selector(b, self.gate.node_selector(r)) for b, r in zip(bodies, roles, strict=True)
+            ]
         deadline = now + EXPECTED_POD_SECONDS
         for body in bodies:
             self.expected[body["metadata"]["name"]] = deadline

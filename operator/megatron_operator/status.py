@@ -59,6 +59,11 @@ class Reason:
     STATUS_BEHIND_AGENTS = "StatusBehindAgents"
     RECONCILE_RESUMED = "ReconcileResumed"
     SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
+    # The QueueAdmitted condition of a job queued through Kueue (queueing.py), and its events.
+    WAITING_FOR_QUEUE_ADMISSION = "WaitingForQueueAdmission"
+    QUEUE_ADMITTED = "AdmittedByQueue"
+    QUEUE_EVICTED = "EvictedByQueue"
+    QUEUE_QUOTA_RELEASED = "QueueQuotaReleased"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"

@@ -1,0 +1,242 @@
+"""Queueing through Kueue: the operator as a real process, Kueue's own controller manager (built from
+its Go module) and the real local control plane (kwok nodes, recording stand-ins for the agents).
+
+Each test has its own ResourceFlavor (its nodes carry the flavor's label), ClusterQueue (nvidia.com/gpu
+quota) and LocalQueue. Scenarios:
+- a labelled job gets a Workload it owns (workers and spares as pod sets, a GPU per pod) and no pod
+  while the quota is too small; once the ClusterQueue's quota is raised Kueue admits it and its pods
+  run, with the flavor's node labels in their node selector;
+- a job without the label, with Kueue running, gets no Workload and runs as always;
+- deactivating the running job's Workload (``spec.active: false``) makes Kueue evict it: the pods are
+  deleted, the job says why (``QueueAdmitted=False``, ``EvictedByQueue``), and the quota is given
+  back (the Workload's admission cleared); no pod comes back while it is inactive;
+- preemption: a Workload of higher priority in the same ClusterQueue evicts the job, which is
+  requeued and, once the other Workload is gone, admitted again and given pods again.
+The operator's log, the namespace's objects and Kueue's log tail are printed when a test fails.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+
+from operator_factories import make_job
+from operator_harness import POOL_LABEL, Harness, harness_for_test
+
+from localcluster import kueue as kueue_objects
+from localcluster.kueue import KueueManager
+from localcluster.waiting import wait_for
+from megatron_contract import wire
+
+pytestmark = pytest.mark.cluster
+JOB = "queued"
+T = 30.0
+FLAVOR_LABEL = "example.com/gpu-flavor"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+WORKLOADS = f"/apis/{kueue_objects.GROUP}/{kueue_objects.VERSION}"
+
+
+@pytest.fixture
+def h(
+    local_cluster: Any, kueue: KueueManager, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Harness]:
+    failed_before = request.session.testsfailed
+    yield from harness_for_test(local_cluster, namespace, tmp_path, request, JOB)
+    if request.session.testsfailed > failed_before:
+        print("=" * 30, "Kueue's log")
+        print(kueue.log_tail(60))
+    for path in (f"{WORKLOADS}/clusterqueues/cq-{namespace}", f"{WORKLOADS}/resourceflavors/f-{namespace}"):
+        local_cluster.request("DELETE", path)
+
+
+def _queues(h: Harness, gpus: int, *, preempt: bool = False) -> None:
+    """This test's flavor (its nodes labelled), ClusterQueue with ``gpus`` GPUs, and LocalQueue."""
+    flavor, cq = f"f-{h.ns}", f"cq-{h.ns}"
+    for node in h.nodes:
+        h.cluster.request(
+            "PATCH",
+            f"/api/v1/nodes/{node}",
+            {"metadata": {"labels": {FLAVOR_LABEL: h.ns}}},
+            content_type="application/merge-patch+json",
+        )
+    kueue_objects.apply(
+        h.cluster,
+        kueue_objects.resource_flavor(flavor, {FLAVOR_LABEL: h.ns}),
+        kueue_objects.cluster_queue(cq, flavor, gpus, preempt=preempt),
+        kueue_objects.local_queue(h.ns, "lq", cq),
+    )
+
+
+def _set_quota(h: Harness, gpus: int) -> None:
+    cq = kueue_objects.cluster_queue(f"cq-{h.ns}", f"f-{h.ns}", gpus)
+    kueue_objects.apply(h.cluster, cq)
+
+
+def _submit(h: Harness, queue: str | None = "lq", **spec: Any) -> dict[str, Any]:
+    body = make_job(JOB, h.ns, node_selector={POOL_LABEL: h.ns}, **spec)
+    if queue is not None:
+        body["metadata"]["labels"] = {QUEUE_LABEL: queue}
+    status, created = h.api.create_job(body)
+    assert status == 201, created
+    return created
+
+
+def _workload(h: Harness) -> dict[str, Any] | None:
+    found: dict[str, Any] | None = h.api.get(f"{WORKLOADS}/namespaces/{h.ns}/workloads/megatronjob-{JOB}")
+    return found
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
+
+
+def _queue_condition(h: Harness, value: str, reason: str, what: str) -> dict[str, Any]:
+    return h.wait_status(
+        lambda s: (c := _condition(s, "QueueAdmitted")) is not None and c["status"] == value and c["reason"] == reason,
+        what,
+    )
+
+
+def test_a_queued_job_waits_for_quota_then_runs_on_the_flavors_nodes(h: Harness) -> None:
+    h.add_nodes(2)
+    _queues(h, gpus=2)  # the job needs 3: 2 workers and a spare, one GPU each
+    h.start_operator()
+    job = _submit(h, replicas=2, spares=1)
+    status = _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting for Kueue")
+    assert status["phase"] == "Pending", status
+    workload = wait_for(lambda: _workload(h), T, "the job's Workload")
+    [owner] = workload["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == (wire.KIND, job["metadata"]["uid"], True)
+    assert workload["spec"]["queueName"] == "lq"
+    pod_sets = {p["name"]: p for p in workload["spec"]["podSets"]}
+    assert {n: p["count"] for n, p in pod_sets.items()} == {"workers": 2, "spares": 1}
+    for pod_set in pod_sets.values():
+        [trainer] = [c for c in pod_set["template"]["spec"]["containers"] if c["name"] == wire.TRAINER_CONTAINER]
+        assert trainer["resources"]["requests"]["nvidia.com/gpu"] == "1", pod_set
+    # Kueue has looked at it and found the quota too small; the operator has had many passes since.
+    wait_for(
+        lambda: (
+            (c := _condition((_workload(h) or {}).get("status") or {}, "QuotaReserved"))
+            and c["status"] == "False"
+            and c
+        ),
+        T,
+        "Kueue's verdict: no quota",
+    )
+    time.sleep(3)
+    assert h.api.pods(JOB) == [], "pods created before Kueue admitted the job"
+
+    _set_quota(h, gpus=3)
+    h.wait_running(1)
+    _queue_condition(h, "True", "AdmittedByQueue", "QueueAdmitted=True")
+    pods = wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods")
+    for pod in pods:
+        assert pod["spec"]["nodeSelector"] == {POOL_LABEL: h.ns, FLAVOR_LABEL: h.ns}, pod["metadata"]["name"]
+
+
+def test_a_job_without_the_label_ignores_kueue(h: Harness) -> None:
+    h.add_nodes(1)
+    _queues(h, gpus=0)  # Kueue would never admit it
+    h.start_operator()
+    _submit(h, queue=None, replicas=2, spares=1)
+    status = h.wait_running(1)
+    assert _condition(status, "QueueAdmitted") is None, status
+    assert _workload(h) is None
+    assert all(FLAVOR_LABEL not in p["spec"]["nodeSelector"] for p in h.api.pods(JOB))
+
+
+def _admitted_and_running(h: Harness, gpus: int, *, preempt: bool = False) -> None:
+    h.add_nodes(1)
+    _queues(h, gpus=gpus, preempt=preempt)
+    h.start_operator()
+    _submit(h, replicas=2, spares=1)
+    h.wait_running(1)
+    wait_for(lambda: len(h.api.running_pods(JOB)) == 3, T, "three running pods")
+
+
+def test_deactivating_the_workload_evicts_the_job(h: Harness) -> None:
+    _admitted_and_running(h, gpus=3)
+    status, body = h.cluster.request(
+        "PATCH",
+        f"{WORKLOADS}/namespaces/{h.ns}/workloads/megatronjob-{JOB}",
+        {"spec": {"active": False}},
+        content_type="application/merge-patch+json",
+    )
+    assert status == 200, body
+    status = _queue_condition(h, "False", "EvictedByQueue", "the job evicted")
+    assert status["phase"] == "Pending", status
+    wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
+    # The quota is given back: no admission, QuotaReserved False; Kueue leaves an inactive one there.
+    workload = wait_for(
+        lambda: (w := _workload(h)) and "admission" not in (w.get("status") or {}) and w, T, "the admission cleared"
+    )
+    reserved = _condition(workload["status"], "QuotaReserved")
+    assert reserved is not None and reserved["status"] == "False", workload["status"]
+    _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting again (deactivated)")
+    time.sleep(2)
+    assert h.api.pods(JOB) == [], "pods created for a deactivated Workload"
+    events = {e["reason"] for e in h.api.events()}
+    assert {"EvictedByQueue", "QueueQuotaReleased"} <= events, events
+
+
+def test_preemption_evicts_the_job_and_it_comes_back_when_quota_returns(h: Harness) -> None:
+    h.agents.checkpoint_interval = 2  # a checkpoint to resume from once admitted again
+    _admitted_and_running(h, gpus=3, preempt=True)
+    h.wait_status(lambda s: s.get("checkpointStep"), "a checkpoint")
+    first = h.pod_names()
+    vip = {
+        "apiVersion": f"{kueue_objects.GROUP}/{kueue_objects.VERSION}",
+        "kind": "Workload",
+        "metadata": {"name": "vip", "namespace": h.ns},
+        "spec": {
+            "queueName": "lq",
+            "priority": 100,
+            "podSets": [
+                {
+                    "name": "main",
+                    "count": 3,
+                    "template": {
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "containers": [
+                                {"name": "c", "image": "x", "resources": {"requests": {"nvidia.com/gpu": "1"}}}
+                            ],
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    status, body = h.cluster.request("POST", f"{WORKLOADS}/namespaces/{h.ns}/workloads", vip)
+    assert status == 201, body
+    _queue_condition(h, "False", "EvictedByQueue", "the job preempted")
+    wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
+    workload = wait_for(
+        lambda: (
+            (w := _workload(h)) and (c := _condition(w.get("status") or {}, "Requeued")) and c["status"] == "True" and w
+        ),
+        T,
+        "the job's Workload requeued",
+    )
+    assert "admission" not in workload["status"], workload["status"]
+    wait_for(
+        lambda: (
+            (w := h.api.get(f"{WORKLOADS}/namespaces/{h.ns}/workloads/vip"))
+            and (w.get("status") or {}).get("admission")
+        ),
+        T,
+        "the preemptor admitted",
+    )
+    assert h.api.pods(JOB) == []
+    h.cluster.request("DELETE", f"{WORKLOADS}/namespaces/{h.ns}/workloads/vip")
+    _queue_condition(h, "True", "AdmittedByQueue", "the job admitted again")
+    pods = wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods again")
+    assert not first & {p["metadata"]["name"] for p in pods}
+    h.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch", 0) > 1, "training again")
