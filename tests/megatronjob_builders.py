@@ -16,7 +16,7 @@ from megatron_contract.job import MegatronJobSpec
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatronjob.yaml"
 LLAMA_EXAMPLE = EXAMPLE.with_name("megatronjob-llama.yaml")
 MOE_EXAMPLE = EXAMPLE.with_name("megatronjob-moe.yaml")
-PRODUCTION_EXAMPLE = EXAMPLE.with_name("production-job.yaml")
+PRODUCTION_EXAMPLE = EXAMPLE.with_name("megatronjob-production.yaml")
 
 
 def example_job(name: str = "gpt-demo", path: Path = EXAMPLE) -> dict[str, Any]:
@@ -276,6 +276,8 @@ BAD_JOBS: tuple[BadJob, ...] = (
         {"training.optimizer.distributed": True, "checkpoint": DELETE},
         "spec.training.optimizer.distributed needs spec.checkpoint",
     ),
+    BadJob("suspend-without-checkpoint", {"suspend": True, "checkpoint": DELETE}, "spec.suspend needs spec.checkpoint"),
+    BadJob("zero-suspend-timeout", {"checkpoint.suspendTimeoutSeconds": 0}, "spec.checkpoint.suspendTimeoutSeconds"),
     BadJob(
         "warmup-as-long-as-training",
         {"training.lrSchedule.warmupSteps": 200},

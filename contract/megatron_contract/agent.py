@@ -79,4 +79,15 @@ class AgentReport(OpenWireModel):
         description="Set when a worker's restore gave up: two checkpoints failed verification. Restoring again would"
         " loop; the job needs a person (or an older checkpoint).",
     )
+    suspend_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="The held plan is a suspend plan and the checkpoint it asked for is complete and verified: its"
+        " step.",
+    )
+    suspend_error: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="The held plan is a suspend plan and its checkpoint could not be written: why.",
+    )
     sent_at: datetime | None = None

@@ -281,6 +281,13 @@ class CheckpointSpec(WireModel):
         default=True,
         description="Write in the background after the device-to-host copy (false: the step waits for the write).",
     )
+    suspend_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        le=86400,
+        description="How long a suspension waits for its checkpoint to be complete and verified; past it the "
+        "Suspended condition says SuspendCheckpointTimedOut and the pods stay (nothing trained is dropped).",
+    )
 
 
 class FailureDetectionSpec(WireModel):
@@ -542,6 +549,12 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda s: not s.training.optimizer.distributed or s.checkpoint is not None,
     ),
     SpecRule(
+        "!has(self.suspend) || !self.suspend || has(self.checkpoint)",
+        "spec.suspend needs spec.checkpoint: a suspended job's pods are deleted, and it resumes from the "
+        "checkpoint they write when it stops",
+        lambda s: not s.suspend or s.checkpoint is not None,
+    ),
+    SpecRule(
         "self.training.globalBatchSize % self.training.microBatchSize == 0",
         "spec.training.globalBatchSize must be a multiple of spec.training.microBatchSize",
         lambda s: s.training.global_batch_size % s.training.micro_batch_size == 0,
@@ -635,6 +648,12 @@ class MegatronJobSpec(WireModel):
     failure_domain: FailureDomainSpec = Field(
         default_factory=FailureDomainSpec, description="Failure domains pods are spread over."
     )
+    suspend: bool = Field(
+        default=False,
+        description="True stops the job without losing a step: its workers write a distributed checkpoint of the "
+        "step they reached (complete and verified), then every pod is deleted and the Suspended condition is True. "
+        "False again resumes it from that checkpoint with new pods and the spec's mesh. Needs spec.checkpoint.",
+    )
     max_recoveries: int = Field(
         default=100, ge=0, le=100000, description="Recoveries after which the job fails instead of recovering again."
     )
@@ -682,6 +701,8 @@ class JobPhase(enum.StrEnum):
     RUNNING = "Running"
     RECOVERING = "Recovering"
     DEGRADED = "Degraded"
+    SUSPENDING = "Suspending"  # spec.suspend: the workers write the checkpoint the job will resume from
+    SUSPENDED = "Suspended"  # no pods; resumes from its checkpoint when spec.suspend is false again
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
 
@@ -704,6 +725,10 @@ class ConditionType(enum.StrEnum):
     #: Only on a job queued through Kueue (labelled ``kueue.x-k8s.io/queue-name``): True once Kueue
     #: admitted its Workload; False while it waits for admission or after an eviction.
     QUEUE_ADMITTED = "QueueAdmitted"
+    #: True while the job is suspended (its pods stopped after its checkpoint was written); False while
+    #: it is being suspended or resumed, or when a suspension could not write its checkpoint (the reason
+    #: says which). Absent until the job is first suspended.
+    SUSPENDED = "Suspended"
 
 
 class Condition(OpenWireModel):

@@ -40,6 +40,10 @@ class PlanReason(enum.StrEnum):
     GROW = "grow"
     RESIZE = "resize"  # spec.replicas was lowered: whole replicas leave the mesh, no pod was lost
     MIGRATE = "migrate"  # members leave nodes being drained (cordoned): a spare or DP peers take over
+    # The job is suspended: members enter the epoch with the state they hold, write a distributed
+    # checkpoint of their step (complete and verified), report it, and train no further.
+    SUSPEND = "suspend"
+    RESUME = "resume"  # a suspended job's new pods: every rank loads the checkpoint written when it stopped
 
 
 class StateSourceKind(enum.StrEnum):

@@ -31,7 +31,7 @@ from megatron_contract.agent import AgentReport
 from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import builders, kube, metrics, queueing, skew
+from megatron_operator import builders, kube, metrics, queueing, skew, suspend
 from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
@@ -51,6 +51,7 @@ from megatron_operator.status import (
     status_body,
     status_changed,
 )
+from megatron_operator.suspend import Stage, SuspendRequest
 from megatron_operator.token import derive_token
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class JobController:
         self._children_checked = -float("inf")
         self._secret_applied = -float("inf")
         self._children_generation: int | None = None
+        self.resume_started: float | None = None  # monotonic time a suspended job was asked to resume
         # Reasons of CreateFailed that a success in this process has answered: a condition read back
         # after a restart is cleared only by a success, not by a fresh process's empty backoffs.
         self._resolved: set[str] = set()
@@ -185,6 +187,11 @@ class JobController:
     def plan(self) -> MeshPlan | None:
         """The plan in force."""
         return self.status.plan
+
+    def suspend_request(self, spec: MegatronJobSpec) -> SuspendRequest | None:
+        """Whether the job's pods are to stop with its work kept, and why: ``spec.suspend``. The one
+        place to add another asker (a queue that preempts the job): return its request here."""
+        return suspend.requested(spec)
 
     def accept_reports(self, reports: Iterable[AgentReport]) -> int:
         """Agent reports of this job (already stored in the book): wake for anything that matters."""
@@ -372,6 +379,11 @@ class JobController:
             fresh=reporting,
             quiet=set(watched) - set(self.book.fresh(self.job.uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),
             checkpoint_unusable=self.book.checkpoint_unusable(self.job.uid),
+            suspend_outcome=(
+                self.book.suspend_outcome(self.job.uid, members, plan.epoch)
+                if plan is not None and plan.reason is PlanReason.SUSPEND
+                else (None, None)
+            ),
         )
         # A restarted operator has heard from nobody: the first heartbeat intervals, it waits for
         # the running pods' reports before planning around them.
@@ -400,6 +412,14 @@ class JobController:
         await self._note_admission(self.gate, generation)
         nodes = self.nodes()
         self._place(spec, pods, members)
+        request = self.suspend_request(spec)
+        now = _now()
+        resuming = request is None and suspend.stopped(self.status)
+        if not resuming:
+            self.resume_started = None
+        elif self.resume_started is None:
+            self.resume_started = mono
+        wait = self.settings.full_mesh_wait_seconds
         a = assess(
             spec,
             self.job.uid,
@@ -411,17 +431,19 @@ class JobController:
             self.expected,
             checkpoint_step=self._checkpoint_step(),
             retired=self.retired,
-            start_small=plan is None and self._age_seconds() >= self.settings.full_mesh_wait_seconds,
+            start_small=(plan is None and self._age_seconds() >= wait)
+            or (self.resume_started is not None and mono - self.resume_started >= wait),
             settling=settling,
             partition_hold=mono < self.partition_until,
             recently_down=self._recently_down(nodes, mono),
             placement=self.placement,
             draining=self.draining(),
+            suspend=request,
+            now=now,
         )
         if a.partition is not None:
             self.partition_until = mono + PARTITION_HOLD_SECONDS
         assessed = time.monotonic()
-        now = _now()
         for failure in a.failures:
             self.failed[failure.pod] = failure
             metrics.FAILURES.labels(**self._labels, reason=failure.reason.value).inc()
@@ -439,6 +461,11 @@ class JobController:
         if a.terminal is not None:
             await self._terminate(a, spec, generation, now)
             return
+        if a.suspension is not None and a.suspension.stage in (Stage.STOP, Stage.STOPPED):
+            await self._stop(a, spec, generation, now)
+            return
+        # A suspended job being resumed: the plan in force names pods long gone, told nothing.
+        stale_plan = a.suspension is not None and a.suspension.stage is Stage.RESUME and suspend.stopped(self.status)
 
         events: list[tuple[str, str, str]] = [("Warning", f.reason.value, f.message) for f in a.failures]
         events.extend(self._note_doubts(a))
@@ -460,6 +487,7 @@ class JobController:
             self.push_due = {m.pod: 0.0 for m in new_plan.members}
             self.push_backoff = {}
             phase, reason = phase_of(new_plan, False, False, True)
+            stale_plan = False
             # (1) The commit point: the plan is in status before any pod or agent hears of it.
             await self._write_status(
                 spec,
@@ -474,6 +502,7 @@ class JobController:
                 now,
                 force=True,
                 recovery_epoch=recovery_epoch,
+                suspended=a.suspension.condition if a.suspension is not None else None,
             )
             metrics.PLANS.labels(**self._labels, reason=new_plan.reason.value).inc()
             events.append(("Normal", Reason.PLAN_CREATED, f"epoch {new_plan.epoch}: {decision.message}"))
@@ -499,7 +528,7 @@ class JobController:
 
         # (2) push the plan in force to members that do not hold it yet: the trainers wait for it,
         # nothing else does, so it goes before any pod is deleted or created.
-        if plan is not None:
+        if plan is not None and not stale_plan:
             if self.acked_epoch != plan.epoch:
                 # A restarted operator: it does not know who holds the plan; a second push is harmless.
                 self.acked, self.acked_epoch = set(), plan.epoch
@@ -533,7 +562,7 @@ class JobController:
         if created:
             events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
             self._crash_point("pods-created")
-        if plan is not None:
+        if plan is not None and not stale_plan:
             await self._sync_labels(plan, pods)
 
         # (4) status, then events. The job trains again when every member committed a step of
@@ -564,6 +593,14 @@ class JobController:
         message = "" if plan is None else f"epoch {plan.epoch}, mesh {plan.mesh_label}"
         if phase is JobPhase.DEGRADED and decision is not None:
             message = decision.message
+        if stale_plan:
+            phase = JobPhase.STARTING if pods or self.expected else JobPhase.PENDING
+            reason, message = Reason.RESUMING, ""
+        elif a.suspension is not None and a.suspension.phase is not None:
+            phase = a.suspension.phase
+            if a.suspension.condition is not None and a.suspension.warning:
+                reason = a.suspension.condition[1]
+        events.extend(self._suspension_events(a))
         await self._write_status(
             spec,
             a,
@@ -577,6 +614,7 @@ class JobController:
             now,
             duration=duration,
             committed_epoch=committed_epoch,
+            suspended=a.suspension.condition if a.suspension is not None else None,
         )
         self._post(events)
 
@@ -658,6 +696,49 @@ class JobController:
         await kube.write_status(self.job.namespace, self.job.name, status_body(new))
         self.status = new
         self._post([("Normal", Reason.QUEUE_ADMITTED, gate.message)])
+
+    def _suspension_events(self, a: Assessment) -> list[tuple[str, str, str]]:
+        """An event when the Suspended condition is to change (its status or reason): Warning when
+        the suspension could not write its checkpoint."""
+        if a.suspension is None or a.suspension.condition is None:
+            return []
+        value, reason, message = a.suspension.condition
+        old = condition(self.status, ConditionType.SUSPENDED)
+        if old is not None and (old.status == "True") == value and old.reason == reason:
+            return []
+        return [("Warning" if a.suspension.warning else "Normal", reason, message[:1024])]
+
+    async def _stop(self, a: Assessment, spec: MegatronJobSpec, generation: int | None, now: datetime) -> None:
+        """A suspension stops the job: the status says so first (a restarted operator then deletes
+        whatever pod is left instead of missing it), then every pod goes, workers and spares alike,
+        labelled retired: their going is no failure."""
+        assert a.suspension is not None
+        events = self._suspension_events(a)
+        stored = condition(self.status, ConditionType.SUSPENDED)
+        if a.suspension.condition is not None:
+            reason = a.suspension.condition[1]
+        else:
+            reason = stored.reason if stored is not None else Reason.JOB_SUSPENDED
+        await self._write_status(
+            spec,
+            a,
+            self.plan,
+            JobPhase.SUSPENDED,
+            reason,
+            "",
+            self.status.recoveries,
+            self.status.last_failure,
+            generation,
+            now,
+            suspended=a.suspension.condition,
+        )
+        await self._delete(a.delete)
+        if a.retire:
+            await self._retire(a.retire)
+            events.append(("Normal", Reason.PODS_RETIRED, f"deleted {', '.join(a.retire)}: the job is suspended"))
+        if events:
+            log.info("%s/%s: %s", self.job.namespace, self.job.name, "; ".join(e[2] for e in events)[:500])
+        self._post(events)
 
     def _place(self, spec: MegatronJobSpec, pods: list[PodFacts], members: list[str]) -> None:
         """Note where each pod runs; forget pods gone from both the index and the plan in force."""
@@ -1038,6 +1119,7 @@ class JobController:
         committed_epoch: int | None = None,
         recovery_epoch: int | None = None,
         force: bool = False,
+        suspended: tuple[bool, str, str] | None = None,
     ) -> None:
         members = {m.pod for m in plan.members} if plan is not None else set()
         step = self.book.completed_step(self.job.uid, members)
@@ -1058,6 +1140,7 @@ class JobController:
             step=step,
             checkpoint_step=self._checkpoint_step(),
             generation=generation,
+            suspended=suspended,
         )
         new = compute_status(self.status, obs, now)
         wall = time.time()

@@ -130,6 +130,15 @@ class HeartbeatBook:
         found = [hb.report.checkpoint_unusable for hb in self._last.get(job_uid, {}).values()]
         return next((reason for reason in found if reason), None)
 
+    def suspend_outcome(self, job_uid: str, pods: Iterable[str], epoch: int) -> tuple[int | None, str | None]:
+        """What the agents of ``pods`` holding ``epoch`` (a suspend plan) said of its checkpoint: its
+        step once complete, or why it failed (the save is collective: one member's word is the world's)."""
+        seen = self._last.get(job_uid, {})
+        reports = [seen[p].report for p in pods if p in seen and seen[p].report.epoch == epoch]
+        step = max((r.suspend_step for r in reports if r.suspend_step is not None), default=None)
+        error = next((r.suspend_error for r in reports if r.suspend_error), None)
+        return step, error
+
     def epochs(self, job_uid: str) -> dict[str, int]:
         """The plan epoch each reporting pod holds."""
         return {pod: hb.report.epoch for pod, hb in self._last.get(job_uid, {}).items()}

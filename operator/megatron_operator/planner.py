@@ -314,6 +314,57 @@ def plan_mesh(
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, released=released, lost=lost, message=message)
 
 
+def boundary_lead(spec: MegatronJobSpec, step_seconds: float | None) -> int:
+    """Steps between the reported step and a plan's step boundary when members switch plans without
+    a failure (a drain's move, a suspension): enough for the reports' lag (a heartbeat interval) and
+    the plan's push, so that no member has passed the boundary when the plan lands."""
+    lag = 2 * spec.failure_detection.heartbeat_interval_seconds + 1.0
+    return max(2, math.ceil(lag / step_seconds) + 1) if step_seconds else 4
+
+
+def plan_resume(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    pods: Sequence[PodRef],
+    previous: MeshPlan,
+    checkpoint_step: int | None,
+    *,
+    store_hosts: Sequence[str] = (),
+    now: datetime | None = None,
+) -> PlanDecision:
+    """The plan of a suspended job's new pods: laid out as a first plan (the spec's mesh, as far as
+    ``pods`` allow), numbered after ``previous`` (the plan in force when the job stopped, whose pods
+    are gone), every rank loading the checkpoint of ``checkpoint_step`` (from the seed when there
+    is none: nothing was trained)."""
+    shape = UnitShape.of(spec)
+    n_units = shape.whole(min(shape.units_for(spec.replicas), len(pods) // shape.pods_per_unit))
+    if n_units < shape.units_for(spec.min_replicas) or n_units == 0:
+        needed = shape.units_for(spec.min_replicas) * shape.pods_per_unit
+        return PlanDecision(Outcome.WAIT, None, message=f"{len(pods)} healthy pods; resuming needs {needed}")
+    units = [[pods[u * shape.pods_per_unit + j] for j in range(shape.pods_per_unit)] for u in range(n_units)]
+    plan = _build(
+        spec,
+        job_uid,
+        previous.epoch + 1,
+        PlanReason.RESUME,
+        shape,
+        units,
+        previous,
+        0,
+        checkpoint_step,
+        now,
+        store_hosts,
+        False,
+    )
+    start = f"the checkpoint of step {checkpoint_step}" if checkpoint_step is not None else "the seed (nothing trained)"
+    return PlanDecision(
+        Outcome.NEW_PLAN,
+        plan,
+        promoted=tuple(p.name for u in units for p in u),
+        message=f"resume: mesh {plan.mesh_label} from {start}",
+    )
+
+
 def _by_expert_rank(
     candidates: list[list[str]], previous_units: list[list[str]], n_units: int, shape: UnitShape
 ) -> list[list[str] | None]:

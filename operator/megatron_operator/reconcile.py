@@ -8,16 +8,26 @@ out; nothing here talks to the API server or the agents, so every rule has a fas
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Collection, Mapping, Sequence
+from datetime import UTC, datetime
 
 from megatron_contract import wire
 from megatron_contract.job import JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
+from megatron_operator import suspend as suspension
 from megatron_operator.failures import Failure, FailureReason, PodFacts, PodHealth, classify_pod
 from megatron_operator.heartbeats import Accusation
-from megatron_operator.planner import Outcome, Placement, PlanDecision, PodRef, plan_mesh
+from megatron_operator.planner import (
+    Outcome,
+    Placement,
+    PlanDecision,
+    PodRef,
+    boundary_lead,
+    plan_mesh,
+    plan_resume,
+)
 from megatron_operator.status import Reason
+from megatron_operator.suspend import Stage, SuspendRequest, Suspension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +49,8 @@ class AgentSignals:
     # of them is corroborated.
     quiet: Collection[str] = ()
     checkpoint_unusable: str | None = None  # a worker's restore gave up: no checkpoint passed verification
+    # What the members of a suspend plan in force said of its checkpoint: (its step once complete, why it failed).
+    suspend_outcome: tuple[int | None, str | None] = (None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +87,8 @@ class Assessment:
         drain_waiting: why members on a draining node stay where they are for now (too few pods
             without them, or their state exists nowhere else); the drain waits (the job's
             PodDisruptionBudget refuses their eviction).
+        suspension: set while a suspension is asked for or the job resumes from one (suspend.py);
+            at its STOP and STOPPED stages ``retire`` names every pod left.
     """
 
     failures: tuple[Failure, ...]
@@ -91,6 +105,7 @@ class Assessment:
     partition: str | None = None
     moved_off: tuple[str, ...] = ()
     drain_waiting: str | None = None
+    suspension: Suspension | None = None
 
     @property
     def plan(self) -> MeshPlan | None:
@@ -188,6 +203,8 @@ def assess(
     recently_down: Collection[str] = (),
     placement: Mapping[str, Placement] | None = None,
     draining: Collection[str] = (),
+    suspend: SuspendRequest | None = None,
+    now: datetime | None = None,
 ) -> Assessment:
     """Decide what a job needs now.
 
@@ -218,7 +235,11 @@ def assess(
             the state taken from its data-parallel peers (or the newest checkpoint where no peer
             holds it), in a plan of reason ``migrate``; where its state exists nowhere else, it
             stays and the drain waits.
+        suspend: someone asks for the job's pods to stop with its work kept (suspend.py); while
+            asked, no pod is created unless a recovery needs it, and the mesh neither grows nor moves.
+        now: the time (a suspension's age is told from its plan's creation time).
     """
+    now = now or datetime.now(UTC)
     retired = set(retired) | {p.name for p in pods if p.role == wire.ROLE_RETIRED}
     if retired:
         pods = [p for p in pods if p.name not in retired]
@@ -230,6 +251,24 @@ def assess(
     plan = status.plan
     if status.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED):
         return _wind_down(status, pods, plan, known_failures)
+    resuming: Suspension | None = None
+    if suspension.stopped(status) or (suspend is not None and plan is None):
+        resuming = suspension.while_stopped(suspend, status, checkpoint_step)
+        if resuming.stage is Stage.STOPPED:
+            # Suspended: no pod, none created; one still there (a pod the stop raced) goes.
+            return Assessment(
+                failures=(),
+                failed=frozenset(known_failures),
+                decision=PlanDecision(Outcome.UNCHANGED, plan) if plan is not None else None,
+                retire=tuple(p.name for p in pods if not p.deleting),
+                suspension=resuming,
+            )
+        if plan is not None:
+            return _resume(
+                spec, job_uid, status, pods, node_ready, signals, known_failures, expected, checkpoint_step,
+                start_small, resuming,
+            )  # fmt: skip
+        # Suspended before its first plan: it starts as any new job.
 
     settled = {n: "True" if n in recently_down else ready for n, ready in node_ready.items()}
     health = {p.name: classify_pod(p, settled) for p in pods}
@@ -276,7 +315,9 @@ def assess(
     # Pods that may join a plan: running, and their agent said recently that its workers are warm.
     warm = set(signals.warm) if signals.warm is not None else set(ref)
     finishing = any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
-    leaving = {p.name for p in alive if p.node in draining}
+    # While a suspension is asked for, pods on draining nodes stay: they are about to go anyway.
+    leaving = {p.name for p in alive if p.node in draining} if suspend is None else set()
+    suspending: Suspension | None = None
     drain_waiting: str | None = None
 
     decision: PlanDecision | None = None
@@ -296,12 +337,14 @@ def assess(
         member_set = set(members)
         active = [ref[n] for n in members if n in ref]
         spares = [ref[p.name] for p in ready if p.name not in member_set and p.name in warm]
+        if suspend is not None and member_set <= {p.name for p in active} and not member_set & failed:
+            spares = []  # nothing to replace: a suspension brings no spare in (the mesh does not grow)
         # Reported steps are counts of completed steps, i.e. the index of the next step: the
         # resume step itself. Reports lag, so this is a lower bound of what survivors hold;
         # trainers agree on their actual step at rendezvous (worker/verify.py).
         resume = signals.completed_step
 
-        def plan_without(away: Collection[str], resume: int | None = resume) -> PlanDecision:
+        def plan_without(away: Collection[str], resume: int | None = resume, retry: bool = False) -> PlanDecision:
             return plan_mesh(
                 spec,
                 job_uid,
@@ -313,7 +356,7 @@ def assess(
                 checkpoint_step=checkpoint_step,
                 store_hosts=[h for h in signals.fresh if h not in away],
                 previous_trained=status.committed_epoch >= plan.epoch,
-                retry=_abandoned(plan, signals, failed),
+                retry=retry or _abandoned(plan, signals, failed),
                 placement=placement,
             )
 
@@ -324,10 +367,44 @@ def assess(
                 # Nothing failed: the members switch at a step boundary ahead, which every one of
                 # them (the leaving ones too) reaches and commits in the old mesh; a plan at the
                 # reported step would abort the step in flight, which one may commit and another not.
-                decision = plan_without(leaving, resume + _migration_lead(spec, signals.step_seconds))
+                decision = plan_without(leaving, resume + boundary_lead(spec, signals.step_seconds))
             decision, drain_waiting = _migration(decision, plan_without(()), moving, set(failed))
+        if suspend is None and plan.reason is PlanReason.SUSPEND and decision.outcome is Outcome.UNCHANGED:
+            # The suspension was withdrawn before the pods stopped: the members (who stop at the
+            # suspend plan's step) join again with the state they hold and train on.
+            again = plan_without(leaving, retry=True)
+            if again.outcome is Outcome.NEW_PLAN and again.plan is not None and not again.lost:
+                message = f"resume: the suspension was withdrawn; mesh {again.plan.mesh_label} trains on"
+                decision = dataclasses.replace(
+                    again, plan=again.plan.model_copy(update={"reason": PlanReason.RESUME}), message=message
+                )
+                resuming = suspension.resumed(message)
         if settling and decision.outcome is not Outcome.UNCHANGED:
             decision = PlanDecision(Outcome.UNCHANGED, plan, message="waiting for every running pod's first report")
+            resuming = None
+        if suspend is not None:
+            suspending, decision = suspension.decide(
+                suspend,
+                spec,
+                status,
+                decision,
+                outcome=signals.suspend_outcome,
+                checkpoint_step=checkpoint_step,
+                reported_step=resume,
+                step_seconds=signals.step_seconds,
+                settling=settling,
+                now=now,
+                replan=lambda at: plan_without((), at, retry=True),
+            )
+            if suspending.stage is Stage.STOP:
+                return Assessment(
+                    failures=tuple(failures),
+                    failed=failed,
+                    decision=decision,
+                    retire=tuple(p.name for p in pods if not p.deleting and p.name not in failed),
+                    delete=tuple((p.name, False) for p in pods if not p.deleting and p.name in failed),
+                    suspension=suspending,
+                )
         # Growing and resizing are not recoveries; replacing, shrinking and waiting for capacity are.
         new_plan = decision.plan if decision.outcome is Outcome.NEW_PLAN else None
         needs_recovery = decision.outcome is Outcome.WAIT or (new_plan is not None and is_recovery(new_plan))
@@ -356,6 +433,10 @@ def assess(
         worker_pods_alive = sum(1 for p in alive if p.role == wire.ROLE_WORKER)
         create_workers = min(deficit, max(0, spec.worker_pods - worker_pods_alive))
     create_spares = deficit - create_workers
+    if suspending is not None and suspending.stage is not Stage.WAIT:
+        create_workers = create_spares = 0  # the pods are about to go: only a recovery needs new ones
+    if resuming is not None and decision is not None and decision.outcome is Outcome.NEW_PLAN:
+        resuming = suspension.resumed(decision.message)
 
     why = {**known_failures, **{f.pod: f for f in failures}}
     delete = tuple(
@@ -399,14 +480,56 @@ def assess(
         partition=partition,
         moved_off=moved_off,
         drain_waiting=drain_waiting,
+        suspension=suspending or resuming,
     )
 
 
-def _migration_lead(spec: MegatronJobSpec, step_seconds: float | None) -> int:
-    """Steps between the reported step and a migration's boundary: enough for the reports' lag (a
-    heartbeat interval) and the plan's push to be overtaken by no member."""
-    lag = 2 * spec.failure_detection.heartbeat_interval_seconds + 1.0
-    return max(2, math.ceil(lag / step_seconds) + 1) if step_seconds else 4
+def _resume(
+    spec: MegatronJobSpec,
+    job_uid: str,
+    status: MegatronJobStatus,
+    pods: Sequence[PodFacts],
+    node_ready: Mapping[str, str],
+    signals: AgentSignals,
+    known_failures: Mapping[str, Failure],
+    expected: Collection[str],
+    checkpoint_step: int | None,
+    start_small: bool,
+    resuming: Suspension,
+) -> Assessment:
+    """A suspended job asked to run again: the pods of the spec's mesh are created (the plan in
+    force names pods long gone: none of them is missed), and once they are warm, or after the
+    full-mesh wait, a resume plan loads the checkpoint the suspension wrote."""
+    plan = status.plan
+    assert plan is not None
+    health = {p.name: classify_pod(p, node_ready) for p in pods}
+    failures, _ = _detect(pods, health, None, signals, known_failures)
+    failed = frozenset(known_failures) | {f.pod for f in failures}
+    alive = [p for p in pods if p.name not in failed and not p.deleting and health[p.name][0] is not PodHealth.FAILED]
+    ready = sorted((p for p in alive if health[p.name][0] is PodHealth.READY), key=lambda p: p.serial)
+    warm = set(signals.warm) if signals.warm is not None else {p.name for p in ready}
+    usable = [PodRef(p.name, p.uid, p.ip or "") for p in ready if p.name in warm]
+    decision: PlanDecision | None = None
+    if len(usable) >= spec.worker_pods or (start_small and usable):
+        decision = plan_resume(spec, job_uid, usable, plan, checkpoint_step, store_hosts=signals.fresh)
+        lost = _state_lost(status, plan, decision.plan)
+        if lost is not None:
+            return _wind_down(status, pods, plan, known_failures, terminal=lost, failures=tuple(failures))
+        if decision.outcome is Outcome.NEW_PLAN:
+            resuming = suspension.resumed(decision.message)
+    on_the_way = [n for n in expected if n not in {p.name for p in pods}]
+    deficit = max(0, spec.worker_pods + spec.spares - len(alive) - len(on_the_way))
+    workers_alive = sum(1 for p in alive if p.role == wire.ROLE_WORKER)
+    create_workers = min(deficit, max(0, spec.worker_pods - workers_alive))
+    return Assessment(
+        failures=tuple(failures),
+        failed=failed,
+        decision=decision,
+        create_workers=create_workers,
+        create_spares=deficit - create_workers,
+        delete=tuple((p.name, _force_delete(health[p.name][1])) for p in pods if p.name in failed and not p.deleting),
+        suspension=resuming,
+    )
 
 
 def _migration(
@@ -570,4 +693,8 @@ def phase_of(plan: MeshPlan | None, trained: bool, waiting: bool, has_pods: bool
         return JobPhase.RECOVERING, Reason.RESIZING
     if plan.reason is PlanReason.MIGRATE:
         return JobPhase.RECOVERING, Reason.MIGRATING
+    if plan.reason is PlanReason.SUSPEND:
+        return JobPhase.SUSPENDING, Reason.SUSPENDING
+    if plan.reason is PlanReason.RESUME:
+        return JobPhase.STARTING, Reason.RESUMING
     return JobPhase.RECOVERING, Reason.RECOVERING

@@ -64,6 +64,14 @@ class Reason:
     QUEUE_ADMITTED = "AdmittedByQueue"
     QUEUE_EVICTED = "EvictedByQueue"
     QUEUE_QUOTA_RELEASED = "QueueQuotaReleased"
+    # The Suspended condition (and its events): spec.suspend (operator/megatron_operator/suspend.py).
+    JOB_SUSPENDED = "JobSuspended"
+    SUSPENDING = "Suspending"
+    WAITING_TO_SUSPEND = "WaitingToSuspend"
+    SUSPEND_CHECKPOINT_FAILED = "SuspendCheckpointFailed"
+    SUSPEND_CHECKPOINT_TIMED_OUT = "SuspendCheckpointTimedOut"
+    RESUMING = "Resuming"
+    RESUMED = "Resumed"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"
@@ -86,6 +94,8 @@ _STATE_OF_PHASE = {
     JobPhase.RUNNING: ConditionType.READY,
     JobPhase.RECOVERING: ConditionType.RECOVERING,
     JobPhase.DEGRADED: ConditionType.RECOVERING,  # waiting for capacity is a recovery that cannot finish yet
+    JobPhase.SUSPENDING: None,
+    JobPhase.SUSPENDED: None,
     JobPhase.FAILED: ConditionType.FAILED,
     JobPhase.SUCCEEDED: ConditionType.SUCCEEDED,
 }
@@ -111,6 +121,7 @@ class Observation:
     step: int | None = None
     checkpoint_step: int | None = None
     generation: int | None = None
+    suspended: tuple[bool, str, str] | None = None  # the Suspended condition to set; None: as it was
 
 
 def set_condition(
@@ -203,6 +214,9 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
             now,
             obs.generation,
         )
+
+    if obs.suspended is not None:
+        conditions = set_condition(conditions, ConditionType.SUSPENDED, *obs.suspended, now, obs.generation)
 
     desired = len(obs.plan.members) if obs.plan is not None else 0
     terminal = obs.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED)

@@ -78,6 +78,8 @@ class Agent:
         self.checkpoint_blocking_older = 0.0
         self.checkpoint_rejected: str | None = None  # the last checkpoint a restore rejected, and why
         self.checkpoint_unusable: str | None = None  # a restore that gave up (two rejections)
+        # The checkpoint a suspend plan asked for: (epoch, step once complete, why it failed).
+        self.suspend_outcome: tuple[int, int | None, str | None] | None = None
         # A worker that replaces a dead one must not join the epoch its predecessor broke.
         self._broken_epoch = 0
         self._restarts = 0
@@ -237,6 +239,10 @@ class Agent:
                 self.checkpoint_blocking[message.step] = max(before, message.blocking_seconds)
                 while len(self.checkpoint_blocking) > 4:
                     self.checkpoint_blocking_older += self.checkpoint_blocking.pop(min(self.checkpoint_blocking))
+            if self._suspending(message.epoch):
+                self.suspend_outcome = (message.epoch, message.step, None)
+                if self.heartbeat is not None:
+                    self.heartbeat.send_soon()  # the operator stops the pods on it
             # Complete for the whole world once any rank reports it (save ends with a barrier).
             if self.checkpoint_step is None or message.step > self.checkpoint_step:
                 self.checkpoint_step = message.step
@@ -280,10 +286,18 @@ class Agent:
             message.epoch,
             message.detail,
         )
+        if message.kind == "failed" and self._suspending(message.epoch):
+            self.suspend_outcome = (message.epoch, None, f"step {message.step}: {message.detail}"[:1024])
+            if self.heartbeat is not None:
+                self.heartbeat.send_soon()
         if message.kind == "rejected":
             self.checkpoint_rejected = f"step {message.step}: {message.detail}"[:1024]
         elif message.kind == "unusable":
             self.checkpoint_unusable = message.detail[:1024]
+
+    def _suspending(self, epoch: int) -> bool:
+        """Whether ``epoch`` is the held plan's and that plan suspends the job."""
+        return self.plan is not None and self.plan.epoch == epoch and self.plan.reason is PlanReason.SUSPEND
 
     def _on_phase_times(self, handle: WorkerHandle, message: PhaseTimes) -> None:
         durations, instants = split_phase_times(message.phases)
@@ -298,7 +312,11 @@ class Agent:
             return
         self._recorded_phase_epochs.add(message.epoch)
         self.last_recovery = LastRecovery(epoch=message.epoch, phases=durations, instants=instants)
-        initial = self.plan is not None and self.plan.epoch == message.epoch and self.plan.reason is PlanReason.INITIAL
+        initial = (
+            self.plan is not None
+            and self.plan.epoch == message.epoch
+            and self.plan.reason in (PlanReason.INITIAL, PlanReason.RESUME)
+        )
         if not initial:
             self.metrics.observe_phases(durations)
 
@@ -417,6 +435,7 @@ class Agent:
         """The heartbeat as of now."""
         progress = self._member_progress()
         slowest = min(progress, key=lambda p: p.step) if progress else None
+        suspend = self.suspend_outcome if self.suspend_outcome and self.suspend_outcome[0] == self.epoch else None
         return AgentReport(
             job_uid=self.settings.job_uid,
             pod=self.settings.pod_name,
@@ -448,6 +467,8 @@ class Agent:
             ),
             checkpoint_rejected=self.checkpoint_rejected,
             checkpoint_unusable=self.checkpoint_unusable,
+            suspend_step=suspend[1] if suspend is not None else None,
+            suspend_error=suspend[2] if suspend is not None else None,
             sent_at=datetime.now(UTC),
         )
 

@@ -209,6 +209,26 @@ class CheckpointSaver:
         outcome.blocking_seconds = time.perf_counter() - start
         return outcome
 
+    def save_now(self, ts: TrainState, epoch: int, mesh: dict[str, Any]) -> SaveOutcome:
+        """A suspend plan's checkpoint: of ``ts.step``, written synchronously, published and then
+        verified like a restore verifies (every file's checksum, shared out over the ranks), so that
+        the pods, the only other holders of the state, may go. A checkpoint that fails verification
+        is reported failed. Collective."""
+        start = time.perf_counter()
+        outcome = SaveOutcome()
+        if self._in_flight is not None:  # none at an epoch's start (the last epoch's was abandoned)
+            self._poll(outcome, blocking=True)
+        if self._start(ts, epoch, mesh, outcome):
+            self._poll(outcome, blocking=True)
+        if any(done.step == ts.step for done in outcome.completed):
+            reason = _verify(checkpoint_dir(self.root, ts.step), self.config_hash)
+            if reason is not None:
+                outcome.completed = [done for done in outcome.completed if done.step != ts.step]
+                outcome.failed.append((ts.step, f"checkpoint of step {ts.step} failed verification: {reason}"))
+                log.error("%s", outcome.failed[-1][1])
+        outcome.blocking_seconds = time.perf_counter() - start
+        return outcome
+
     def abandon(self) -> None:
         """Drop the save in flight without any collective: kill its writer (the epoch's groups may
         be gone). Its partial directory is deleted by a later save."""

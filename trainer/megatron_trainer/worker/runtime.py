@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSourceKind
+from megatron_contract.mesh import BatchGeometry, MeshPlan, PlanReason, StateSourceKind
 from megatron_trainer.channel import (
     Alive,
     Assign,
@@ -499,6 +499,9 @@ class Worker:
             checksum,
             time.perf_counter() - begin,
         )
+        if plan.reason is PlanReason.SUSPEND:
+            self._save_and_stop(plan)
+            return
         self._move(WorkerState.TRAINING, f"rank {self.rank} of {plan.mesh_label}")
         try:
             self._train(plan, phases)
@@ -579,6 +582,35 @@ class Worker:
         if self.saver is not None:
             self._report_checkpoint(plan, self.saver.finish(ts, plan.epoch, plan.sizes.model_dump()))
         self._move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
+
+    def _save_and_stop(self, plan: MeshPlan) -> None:
+        """A suspend plan: write a checkpoint of the step every member holds (agreed at verification),
+        report it, leave the epoch and wait, holding the state, for the operator to delete the pod
+        (or, should the checkpoint fail, for its next plan)."""
+        assert self.ts is not None
+        ts = self.ts
+        if self.saver is None:
+            detail = "the job has no spec.checkpoint to write a suspend checkpoint to"
+            self.send(CheckpointProblem(epoch=plan.epoch, step=ts.step, kind="failed", detail=detail))
+            self._teardown()
+            self._move(WorkerState.WAITING, detail, epoch=plan.epoch)
+            return
+        self._out_of_step.clear()
+        try:
+            outcome = self.saver.save_now(ts, plan.epoch, plan.sizes.model_dump())
+        except RuntimeError as err:
+            if not (self._aborted.is_set() or is_collective_error(err)):
+                raise
+            self.saver.abandon()
+            self._on_step_failure(plan, f"suspend checkpoint: {type(err).__name__}: {err}")
+            return
+        finally:
+            self._out_of_step.set()
+        self._report_checkpoint(plan, outcome)
+        saved = any(done.step == ts.step for done in outcome.completed)
+        self._teardown()
+        detail = f"suspended: checkpoint of step {ts.step} " + ("complete" if saved else "failed")
+        self._move(WorkerState.WAITING, detail, epoch=plan.epoch)
 
     def _superseded_check(self, epoch: int) -> rendezvous.Interrupted:
         """True once the join of ``epoch`` is moot: interrupted, or a newer plan is waiting."""
