@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -189,9 +190,9 @@ class JobController:
         return self.status.plan
 
     def suspend_request(self, spec: MegatronJobSpec) -> SuspendRequest | None:
-        """Whether the job's pods are to stop with its work kept, and why: ``spec.suspend``. The one
-        place to add another asker (a queue that preempts the job): return its request here."""
-        return suspend.requested(spec)
+        """Whether the job's pods are to stop with its work kept, and why: ``spec.suspend``, or Kueue
+        not admitting the job's Workload (not yet, or not any more: an eviction)."""
+        return suspend.requested(spec) or queueing.suspend_request(self.gate)
 
     def accept_reports(self, reports: Iterable[AgentReport]) -> int:
         """Agent reports of this job (already stored in the book): wake for anything that matters."""
@@ -406,10 +407,7 @@ class JobController:
             await self._announce_hold(hold)
             return
         self.gate = await self.queue.gate(self.body, spec)
-        if self.gate is not None and self.gate.verdict is not Verdict.ADMITTED:
-            await self._wait_for_queue(spec, self.gate, pods, generation)
-            return
-        await self._note_admission(self.gate, generation)
+        await self._note_queue(self.gate, generation)
         nodes = self.nodes()
         self._place(spec, pods, members)
         request = self.suspend_request(spec)
@@ -461,6 +459,8 @@ class JobController:
         if a.terminal is not None:
             await self._terminate(a, spec, generation, now)
             return
+        if self.gate is not None and self.gate.verdict is Verdict.EVICTED:
+            a = await self._yield_to_queue(a, spec, pods, now)
         if a.suspension is not None and a.suspension.stage in (Stage.STOP, Stage.STOPPED):
             await self._stop(a, spec, generation, now)
             return
@@ -618,84 +618,44 @@ class JobController:
         )
         self._post(events)
 
-    async def _wait_for_queue(
-        self, spec: MegatronJobSpec, gate: Gate, pods: list[PodFacts], generation: int | None
-    ) -> None:
-        """No pod while Kueue has not admitted the job. After an eviction the pods go (deleted as
-        surplus, not failures), then the Workload's quota is given back and it queues again."""
-        events: list[tuple[str, str, str]] = []
-        if gate.verdict is Verdict.EVICTED:
-            reason = Reason.QUEUE_EVICTED
-            live = [p.name for p in pods if not p.deleting]
-            if live:
-                await self._retire(live)
-                events.append(
-                    (
-                        "Warning",
-                        Reason.QUEUE_EVICTED,
-                        f"Kueue evicted the job ({gate.message}): deleted {', '.join(live)}",
-                    )
-                )
-            elif not pods and await self.queue.release():
-                events.append(
-                    (
-                        "Normal",
-                        Reason.QUEUE_QUOTA_RELEASED,
-                        "the job's pods are gone: its Workload's quota is given back",
-                    )
-                )
-        else:
-            reason = Reason.WAITING_FOR_QUEUE_ADMISSION
-        now = _now()
-        conditions = set_condition(
-            self.status.conditions, ConditionType.QUEUE_ADMITTED, False, reason, gate.message, now, generation
-        )
-        old = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
-        obs = Observation(
-            phase=JobPhase.PENDING,
-            reason=reason,
-            message=gate.message,
-            plan=self.plan,
-            replicas=spec.replicas,
-            ready_workers=0,
-            spares_ready=0,
-            spares_wanted=spec.spares,
-            recoveries=self.status.recoveries,
-            committed_epoch=self.status.committed_epoch,
-            recovery_epoch=self.status.recovery_epoch,
-            last_recovery_duration=self.status.last_recovery_duration_seconds,
-            last_failure=self.status.last_failure,
-            checkpoint_step=self._checkpoint_step(),
-            generation=generation,
-        )
-        new = compute_status(old, obs, now)
-        if status_changed(self.status, new):
-            await kube.write_status(self.job.namespace, self.job.name, status_body(new))
-            if condition(self.status, ConditionType.QUEUE_ADMITTED) != condition(new, ConditionType.QUEUE_ADMITTED):
-                log.info("%s/%s: not admitted by Kueue: %s", self.job.namespace, self.job.name, gate.message)
-            self.status = new
-        self._post(events)
-
-    async def _note_admission(self, gate: Gate | None, generation: int | None) -> None:
-        """``QueueAdmitted=True`` once Kueue admits a queued job (written, and said in an event)."""
+    async def _note_queue(self, gate: Gate | None, generation: int | None) -> None:
+        """The ``QueueAdmitted`` condition of a queued job follows its Workload's verdict (written,
+        and said in an event, when it changes)."""
         if gate is None:
             return
+        value, reason = queueing.admitted_condition(gate)
         old = condition(self.status, ConditionType.QUEUE_ADMITTED)
-        if old is not None and old.status == "True":
+        if old is not None and (old.status == "True") == value and old.reason == reason:
             return
         conditions = set_condition(
-            self.status.conditions,
-            ConditionType.QUEUE_ADMITTED,
-            True,
-            Reason.QUEUE_ADMITTED,
-            gate.message,
-            _now(),
-            generation,
+            self.status.conditions, ConditionType.QUEUE_ADMITTED, value, reason, gate.message[:2000], _now(), generation
         )
         new = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
         await kube.write_status(self.job.namespace, self.job.name, status_body(new))
         self.status = new
-        self._post([("Normal", Reason.QUEUE_ADMITTED, gate.message)])
+        log.info("%s/%s: Kueue: %s (%s)", self.job.namespace, self.job.name, reason, gate.message[:300])
+        if gate.verdict is not Verdict.PENDING:
+            self._post([("Normal" if value else "Warning", reason, gate.message)])
+
+    async def _yield_to_queue(
+        self, a: Assessment, spec: MegatronJobSpec, pods: list[PodFacts], now: datetime
+    ) -> Assessment:
+        """Kueue evicted the job: its suspension (a checkpoint, then no pod) is under way. If it
+        cannot write its checkpoint in time, the pods stop without it (Kueue wants the quota back);
+        once none is left the quota is given back."""
+        assert self.gate is not None
+        limit = spec.checkpoint.suspend_timeout_seconds if spec.checkpoint is not None else 0.0
+        forced = queueing.forced_stop(self.gate, a.suspension, limit, now, self._checkpoint_step())
+        if forced is not None:
+            live = tuple(p.name for p in pods if not p.deleting)
+            log.warning("%s/%s: %s", self.job.namespace, self.job.name, forced.condition[2] if forced.condition else "")
+            return dataclasses.replace(a, suspension=forced, retire=live, delete=())
+        stopped = a.suspension is not None and a.suspension.stage is Stage.STOPPED
+        if stopped and not pods and await self.queue.release():
+            self._post(
+                [("Normal", Reason.QUEUE_QUOTA_RELEASED, "the job's pods are gone: its Workload's quota is given back")]
+            )
+        return a
 
     def _suspension_events(self, a: Assessment) -> list[tuple[str, str, str]]:
         """An event when the Suspended condition is to change (its status or reason): Warning when

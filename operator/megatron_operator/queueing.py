@@ -4,9 +4,12 @@ A job labelled ``kueue.x-k8s.io/queue-name`` is a Kueue *external framework*: th
 and owns one ``Workload`` (kueue.x-k8s.io/v1beta2) whose pod sets are the job's workers and spares,
 each with the pod the operator would create, and creates no pod until Kueue admits it (quota
 reserved and ``Admitted``), then creates them with the node labels of the flavors Kueue assigned
-merged into their node selector. When Kueue evicts the Workload (preemption, deactivation), the
-pods are deleted; once none is left the operator gives the quota back (Kueue's job framework does
-this for the kinds it knows: the external controller must) and the Workload queues again.
+merged into their node selector. Not admitted, the job is suspended (suspend.py): before its first
+admission it simply has no pods; when Kueue evicts it (preemption, deactivation) its members write a
+checkpoint and its pods are deleted, or, if that checkpoint cannot be written within
+``checkpoint.suspendTimeoutSeconds``, the pods are deleted without it. Once none is left the
+operator gives the quota back (Kueue's job framework does this for the kinds it knows: an external
+controller must) and the Workload queues again; admitted again, the job resumes from its checkpoint.
 
 Everything here is pure but :class:`QueueGate`, which reads and writes through :mod:`.kube`.
 """
@@ -25,6 +28,8 @@ from megatron_contract import wire
 from megatron_contract.job import MegatronJobSpec
 from megatron_operator import builders, kube
 from megatron_operator.builders import JobRef
+from megatron_operator.status import Reason
+from megatron_operator.suspend import Stage, SuspendRequest, Suspension
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,7 @@ class Gate:
     verdict: Verdict
     message: str
     node_selectors: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+    since: datetime | None = None  # when Kueue evicted the Workload (EVICTED)
 
     def node_selector(self, role: str) -> Mapping[str, str]:
         return self.node_selectors.get(role, {})
@@ -125,7 +131,7 @@ def read_gate(workload: Mapping[str, Any], flavor_labels: Mapping[str, Mapping[s
     status = workload.get("status") or {}
     evicted = _condition(workload, "Evicted")
     if evicted is not None and evicted.get("status") == "True" and status.get("admission") is not None:
-        return Gate(Verdict.EVICTED, f"{evicted.get('reason')}: {evicted.get('message', '')}")
+        return Gate(Verdict.EVICTED, f"{evicted.get('reason')}: {evicted.get('message', '')}", since=_time(evicted))
     if status.get("admission") is None or not _is_true(workload, "Admitted"):
         reserved = _condition(workload, "QuotaReserved")
         why = reserved.get("message") if reserved is not None else ""
@@ -144,6 +150,51 @@ def read_gate(workload: Mapping[str, Any], flavor_labels: Mapping[str, Mapping[s
                 selectors[role] = selector
     queue = status["admission"].get("clusterQueue", "")
     return Gate(Verdict.ADMITTED, f"admitted by ClusterQueue {queue}", selectors)
+
+
+def _time(cond: Mapping[str, Any]) -> datetime | None:
+    stamp = cond.get("lastTransitionTime")
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")) if stamp else None
+    except ValueError:
+        return None
+
+
+def admitted_condition(gate: Gate) -> tuple[bool, str]:
+    """The job's ``QueueAdmitted`` condition (status, reason) for a verdict."""
+    if gate.verdict is Verdict.ADMITTED:
+        return True, Reason.QUEUE_ADMITTED
+    if gate.verdict is Verdict.EVICTED:
+        return False, Reason.QUEUE_EVICTED
+    return False, Reason.WAITING_FOR_QUEUE_ADMISSION
+
+
+def suspend_request(gate: Gate | None) -> SuspendRequest | None:
+    """Not admitted (yet, or any more), a queued job is suspended: its pods stop with its work kept."""
+    if gate is None or gate.verdict is Verdict.ADMITTED:
+        return None
+    reason = Reason.QUEUE_EVICTED if gate.verdict is Verdict.EVICTED else Reason.WAITING_FOR_QUEUE_ADMISSION
+    return SuspendRequest(reason, f"Kueue has not admitted the job's Workload ({gate.message[:1000]})")
+
+
+def forced_stop(
+    gate: Gate, suspension: Suspension | None, limit: float, now: datetime, checkpoint_step: int | None
+) -> Suspension | None:
+    """An evicted job whose checkpoint cannot be had in time stops without it: Kueue wants the quota
+    back. That is when its suspension's checkpoint failed or timed out, or the eviction is older
+    than ``limit`` (``checkpoint.suspendTimeoutSeconds``; 0 for a job without checkpoints) and the
+    pods are still there. None: the suspension goes its own way."""
+    if suspension is None or suspension.stage in (Stage.STOP, Stage.STOPPED, Stage.RESUME):
+        return None
+    waited = (now - gate.since).total_seconds() if gate.since is not None else 0.0
+    if suspension.stage not in (Stage.FAILED, Stage.TIMED_OUT) and waited < limit:
+        return None
+    resumes = f"the checkpoint of step {checkpoint_step}" if checkpoint_step is not None else "the start"
+    message = (
+        f"Kueue evicted the job's Workload ({gate.message[:1000]}) and no checkpoint of its last steps "
+        f"could be written within {limit:g} s: every pod deleted without one; resumes from {resumes}"
+    )
+    return Suspension(Stage.STOP, (True, Reason.QUEUE_EVICTED, message), checkpoint_step)
 
 
 def with_node_selector(pod: dict[str, Any], selector: Mapping[str, str]) -> dict[str, Any]:

@@ -4,14 +4,19 @@ its Go module) and the real local control plane (kwok nodes, recording stand-ins
 Each test has its own ResourceFlavor (its nodes carry the flavor's label), ClusterQueue (nvidia.com/gpu
 quota) and LocalQueue. Scenarios:
 - a labelled job gets a Workload it owns (workers and spares as pod sets, a GPU per pod) and no pod
-  while the quota is too small; once the ClusterQueue's quota is raised Kueue admits it and its pods
-  run, with the flavor's node labels in their node selector;
+  while the quota is too small (it is suspended: phase Suspended, ``QueueAdmitted=False``); once the
+  ClusterQueue's quota is raised Kueue admits it and its pods run, with the flavor's node labels in
+  their node selector;
 - a job without the label, with Kueue running, gets no Workload and runs as always;
-- deactivating the running job's Workload (``spec.active: false``) makes Kueue evict it: the pods are
-  deleted, the job says why (``QueueAdmitted=False``, ``EvictedByQueue``), and the quota is given
-  back (the Workload's admission cleared); no pod comes back while it is inactive;
-- preemption: a Workload of higher priority in the same ClusterQueue evicts the job, which is
-  requeued and, once the other Workload is gone, admitted again and given pods again.
+- deactivating the running job's Workload (``spec.active: false``) makes Kueue evict it: the job is
+  suspended with a checkpoint (a suspend plan whose checkpoint the stand-in agents report written),
+  its pods are deleted, it says why (``QueueAdmitted=False``/``EvictedByQueue``, ``Suspended=True``
+  naming the step), and the quota is given back (the Workload's admission cleared); no pod comes
+  back while it is inactive;
+- preemption of a job without ``spec.checkpoint``: a Workload of higher priority in the same
+  ClusterQueue evicts it; no checkpoint can be written, so its pods are deleted at once; it is
+  requeued and, once the other Workload is gone, admitted again and resumes from its newest
+  periodic checkpoint.
 The operator's log, the namespace's objects and Kueue's log tail are printed when a test fails.
 """
 
@@ -110,7 +115,9 @@ def test_a_queued_job_waits_for_quota_then_runs_on_the_flavors_nodes(h: Harness)
     h.start_operator()
     job = _submit(h, replicas=2, spares=1)
     status = _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting for Kueue")
-    assert status["phase"] == "Pending", status
+    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job suspended until admitted")
+    suspended = _condition(status, "Suspended")
+    assert suspended is not None and (suspended["status"], suspended["reason"]) == ("True", "WaitingForQueueAdmission")
     workload = wait_for(lambda: _workload(h), T, "the job's Workload")
     [owner] = workload["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["uid"], owner["controller"]) == (wire.KIND, job["metadata"]["uid"], True)
@@ -152,17 +159,17 @@ def test_a_job_without_the_label_ignores_kueue(h: Harness) -> None:
     assert all(FLAVOR_LABEL not in p["spec"]["nodeSelector"] for p in h.api.pods(JOB))
 
 
-def _admitted_and_running(h: Harness, gpus: int, *, preempt: bool = False) -> None:
+def _admitted_and_running(h: Harness, gpus: int, *, preempt: bool = False, **spec: Any) -> None:
     h.add_nodes(1)
     _queues(h, gpus=gpus, preempt=preempt)
     h.start_operator()
-    _submit(h, replicas=2, spares=1)
+    _submit(h, replicas=2, spares=1, **spec)
     h.wait_running(1)
     wait_for(lambda: len(h.api.running_pods(JOB)) == 3, T, "three running pods")
 
 
-def test_deactivating_the_workload_evicts_the_job(h: Harness) -> None:
-    _admitted_and_running(h, gpus=3)
+def test_deactivating_the_workload_suspends_the_job_with_a_checkpoint(h: Harness) -> None:
+    _admitted_and_running(h, gpus=3, checkpoint={"path": "/checkpoints/queued"})
     status, body = h.cluster.request(
         "PATCH",
         f"{WORKLOADS}/namespaces/{h.ns}/workloads/megatronjob-{JOB}",
@@ -170,8 +177,13 @@ def test_deactivating_the_workload_evicts_the_job(h: Harness) -> None:
         content_type="application/merge-patch+json",
     )
     assert status == 200, body
-    status = _queue_condition(h, "False", "EvictedByQueue", "the job evicted")
-    assert status["phase"] == "Pending", status
+    _queue_condition(h, "False", "EvictedByQueue", "the job evicted")
+    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job suspended")
+    assert status["plan"]["reason"] == "suspend", status["plan"]
+    suspended = _condition(status, "Suspended")
+    assert suspended is not None and (suspended["status"], suspended["reason"]) == ("True", "EvictedByQueue")
+    step = status["plan"]["resumeStep"]
+    assert f"checkpoint of step {step} written and verified" in suspended["message"], suspended
     wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
     # The quota is given back: no admission, QuotaReserved False; Kueue leaves an inactive one there.
     workload = wait_for(
@@ -180,13 +192,14 @@ def test_deactivating_the_workload_evicts_the_job(h: Harness) -> None:
     reserved = _condition(workload["status"], "QuotaReserved")
     assert reserved is not None and reserved["status"] == "False", workload["status"]
     _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting again (deactivated)")
+    assert h.api.status(JOB)["phase"] == "Suspended"
     time.sleep(2)
     assert h.api.pods(JOB) == [], "pods created for a deactivated Workload"
     events = {e["reason"] for e in h.api.events()}
     assert {"EvictedByQueue", "QueueQuotaReleased"} <= events, events
 
 
-def test_preemption_evicts_the_job_and_it_comes_back_when_quota_returns(h: Harness) -> None:
+def test_preemption_stops_a_job_without_checkpoints_at_once_and_it_comes_back(h: Harness) -> None:
     h.agents.checkpoint_interval = 2  # a checkpoint to resume from once admitted again
     _admitted_and_running(h, gpus=3, preempt=True)
     h.wait_status(lambda s: s.get("checkpointStep"), "a checkpoint")
@@ -217,7 +230,11 @@ def test_preemption_evicts_the_job_and_it_comes_back_when_quota_returns(h: Harne
     status, body = h.cluster.request("POST", f"{WORKLOADS}/namespaces/{h.ns}/workloads", vip)
     assert status == 201, body
     _queue_condition(h, "False", "EvictedByQueue", "the job preempted")
+    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job stopped")
+    suspended = _condition(status, "Suspended")
+    assert suspended is not None and "without one" in suspended["message"], suspended
     wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
+    first_checkpoint = h.api.status(JOB)["checkpointStep"]
     workload = wait_for(
         lambda: (
             (w := _workload(h)) and (c := _condition(w.get("status") or {}, "Requeued")) and c["status"] == "True" and w
@@ -239,4 +256,6 @@ def test_preemption_evicts_the_job_and_it_comes_back_when_quota_returns(h: Harne
     _queue_condition(h, "True", "AdmittedByQueue", "the job admitted again")
     pods = wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods again")
     assert not first & {p["metadata"]["name"] for p in pods}
-    h.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch", 0) > 1, "training again")
+    status = h.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch", 0) > 1, "training again")
+    assert status["plan"]["reason"] == "resume", status["plan"]
+    assert status["plan"]["resumeStep"] == status["checkpointStep"] == first_checkpoint

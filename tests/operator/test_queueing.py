@@ -5,7 +5,7 @@ tests/integration/test_operator_kueue.py.)"""
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from operator_factories import make_spec
@@ -14,6 +14,7 @@ from megatron_contract import wire
 from megatron_operator import kube, queueing
 from megatron_operator.builders import JobRef
 from megatron_operator.queueing import Verdict
+from megatron_operator.suspend import Stage, Suspension
 
 JOB = JobRef("gpt", "ns", "uid-1")
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -176,3 +177,45 @@ def test_a_created_workload_not_watched_yet_keeps_the_pods_back(monkeypatch: Any
         result = asyncio.run(gate.gate(body, make_spec(2)))
         assert result is not None and result.verdict is Verdict.PENDING
     assert len(created) == 1
+
+
+def test_not_admitted_is_a_suspension_request() -> None:
+    assert queueing.suspend_request(None) is None
+    assert queueing.suspend_request(queueing.Gate(Verdict.ADMITTED, "ok")) is None
+    pending = queueing.suspend_request(queueing.Gate(Verdict.PENDING, "no quota"))
+    assert pending is not None and pending.reason == "WaitingForQueueAdmission" and "no quota" in pending.message
+    evicted = queueing.suspend_request(queueing.Gate(Verdict.EVICTED, "Preempted: by vip"))
+    assert evicted is not None and evicted.reason == "EvictedByQueue"
+    assert queueing.admitted_condition(queueing.Gate(Verdict.ADMITTED, "")) == (True, "AdmittedByQueue")
+    assert queueing.admitted_condition(queueing.Gate(Verdict.EVICTED, "")) == (False, "EvictedByQueue")
+
+
+def test_the_eviction_time_is_read() -> None:
+    evicted = _cond("Evicted", "True", "Preempted")
+    evicted["lastTransitionTime"] = "2026-01-02T03:00:05Z"
+    gate = queueing.read_gate(_workload({"admission": ADMISSION, "conditions": [evicted]}), FLAVORS)
+    assert gate.since == datetime(2026, 1, 2, 3, 0, 5, tzinfo=UTC)
+
+
+def _evicted(seconds_ago: float) -> queueing.Gate:
+    return queueing.Gate(Verdict.EVICTED, "Preempted: by vip", since=NOW - timedelta(seconds=seconds_ago))
+
+
+def test_an_eviction_waits_for_the_checkpoint_within_the_limit() -> None:
+    saving = Suspension(Stage.SAVING, (False, "Suspending", ""))
+    assert queueing.forced_stop(_evicted(10), saving, 60.0, NOW, 4) is None
+    for done in (Stage.STOP, Stage.STOPPED, Stage.RESUME):
+        assert queueing.forced_stop(_evicted(600), Suspension(done, None), 60.0, NOW, 4) is None
+    assert queueing.forced_stop(_evicted(600), None, 60.0, NOW, 4) is None
+
+
+def test_an_eviction_stops_the_pods_without_a_checkpoint_when_none_can_be_had() -> None:
+    for stage in (Stage.FAILED, Stage.TIMED_OUT):  # the checkpoint failed: no waiting
+        forced = queueing.forced_stop(_evicted(1), Suspension(stage, None), 60.0, NOW, 4)
+        assert forced is not None and forced.stage is Stage.STOP and forced.step == 4
+    late = queueing.forced_stop(_evicted(61), Suspension(Stage.WAIT, None), 60.0, NOW, None)
+    assert late is not None and late.condition is not None
+    value, reason, message = late.condition
+    assert (value, reason) == (True, "EvictedByQueue") and "resumes from the start" in message
+    # A job without spec.checkpoint (limit 0): at once.
+    assert queueing.forced_stop(_evicted(0), Suspension(Stage.SAVE, None), 0.0, NOW, None) is not None
