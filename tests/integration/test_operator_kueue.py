@@ -16,7 +16,8 @@ quota) and LocalQueue. Scenarios:
 - preemption of a job without ``spec.checkpoint``: a Workload of higher priority in the same
   ClusterQueue evicts it; no checkpoint can be written, so its pods are deleted at once; it is
   requeued and, once the other Workload is gone, admitted again and resumes from its newest
-  periodic checkpoint.
+  periodic checkpoint;
+- the production example's Workload passes the API server's validation under Kueue's CRDs.
 The operator's log, the namespace's objects and Kueue's log tail are printed when a test fails.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
@@ -38,7 +40,9 @@ from operator_harness import POOL_LABEL, Harness, harness_for_test
 from localcluster import kueue as kueue_objects
 from localcluster.kueue import KueueManager
 from localcluster.waiting import wait_for
-from megatron_contract import wire
+from megatron_contract import MegatronJob, wire
+from megatron_operator import builders, queueing
+from megatronjob_builders import PRODUCTION_EXAMPLE, example_job
 
 pytestmark = pytest.mark.cluster
 JOB = "queued"
@@ -259,3 +263,17 @@ def test_preemption_stops_a_job_without_checkpoints_at_once_and_it_comes_back(h:
     status = h.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch", 0) > 1, "training again")
     assert status["plan"]["reason"] == "resume", status["plan"]
     assert status["plan"]["resumeStep"] == status["checkpointStep"] == first_checkpoint
+
+
+def test_the_production_examples_workload_passes_kueues_validation(
+    local_cluster: Any, kueue: KueueManager, namespace: str
+) -> None:
+    """The Workload of a large job with a full pod template is accepted by the API server under
+    Kueue's CRD schema and rules (a server-side dry run)."""
+    job = MegatronJob.model_validate(example_job("llama3-8b", PRODUCTION_EXAMPLE))
+    queue = yaml.safe_load(PRODUCTION_EXAMPLE.read_text())["metadata"]["labels"][QUEUE_LABEL]
+    ref = builders.JobRef("llama3-8b", namespace, "0c5d1f64-0000-4000-8000-000000000001")
+    workload = queueing.build_workload(ref, job.spec, queue)
+    code, created = local_cluster.request("POST", f"{WORKLOADS}/namespaces/{namespace}/workloads?dryRun=All", workload)
+    assert code == 201, created
+    assert [(p["name"], p["count"]) for p in created["spec"]["podSets"]] == [("workers", 16), ("spares", 2)]
