@@ -17,12 +17,16 @@ quota) and LocalQueue. Scenarios:
   ClusterQueue evicts it; no checkpoint can be written, so its pods are deleted at once; it is
   requeued and, once the other Workload is gone, admitted again and resumes from its newest
   periodic checkpoint;
+- the operator acting as the chart's ServiceAccount (its ClusterRole and leader Role) queues a job,
+  runs it once admitted and gives the quota back after an eviction: the chart grants what it uses;
+- in a cluster without Kueue, a labelled job runs as if unlabelled;
 - the production example's Workload passes the API server's validation under Kueue's CRDs.
 The operator's log, the namespace's objects and Kueue's log tail are printed when a test fails.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -35,9 +39,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from operator_factories import make_job
-from operator_harness import POOL_LABEL, Harness, harness_for_test
+from operator_harness import POOL_LABEL, REPO, Harness, OperatorProcess, harness_for_test
 
+from localcluster import build
 from localcluster import kueue as kueue_objects
+from localcluster.cluster import LocalCluster
 from localcluster.kueue import KueueManager
 from localcluster.waiting import wait_for
 from megatron_contract import MegatronJob, wire
@@ -49,6 +55,7 @@ JOB = "queued"
 T = 30.0
 FLAVOR_LABEL = "example.com/gpu-flavor"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+CHART = REPO / "charts" / "megatron-operator"
 WORKLOADS = f"/apis/{kueue_objects.GROUP}/{kueue_objects.VERSION}"
 
 
@@ -61,7 +68,13 @@ def h(
     if request.session.testsfailed > failed_before:
         print("=" * 30, "Kueue's log")
         print(kueue.log_tail(60))
-    for path in (f"{WORKLOADS}/clusterqueues/cq-{namespace}", f"{WORKLOADS}/resourceflavors/f-{namespace}"):
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    for path in (
+        f"{WORKLOADS}/clusterqueues/cq-{namespace}",
+        f"{WORKLOADS}/resourceflavors/f-{namespace}",
+        f"{rbac}/clusterroles/{namespace}-megatron-operator",  # the chart's, when a test installed it
+        f"{rbac}/clusterrolebindings/{namespace}-megatron-operator",
+    ):
         local_cluster.request("DELETE", path)
 
 
@@ -277,3 +290,73 @@ def test_the_production_examples_workload_passes_kueues_validation(
     code, created = local_cluster.request("POST", f"{WORKLOADS}/namespaces/{namespace}/workloads?dryRun=All", workload)
     assert code == 201, created
     assert [(p["name"], p["count"]) for p in created["spec"]["podSets"]] == [("workers", 16), ("spares", 2)]
+
+
+def test_without_kueue_a_labelled_job_runs_as_any_other(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """A control plane of its own, without Kueue's CRDs (the session's may have them by now)."""
+    with LocalCluster() as cluster:
+        cluster.install_crds()
+        status, body = cluster.request(
+            "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "plain"}}
+        )
+        assert status == 201, body
+        for h in harness_for_test(cluster, "plain", tmp_path, request, JOB):
+            h.add_nodes(1)
+            h.start_operator()
+            _submit(h, replicas=2, spares=1)
+            status = h.wait_running(1)
+            assert _condition(status, "QueueAdmitted") is None and _condition(status, "Suspended") is None, status
+            assert "runs without queueing" in h.operators[0].log_text()
+
+
+def _chart_identity(h: Harness) -> Path:
+    """The chart's ServiceAccount, ClusterRole and leader Role (rendered for a release named after the
+    test's namespace) installed into it; returns a kubeconfig that acts as that ServiceAccount."""
+    helm = build.build(build.HELM)
+    only = ["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"]
+    rendered = subprocess.run(
+        [str(helm), "template", h.ns, str(CHART), "--namespace", h.ns, *only],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    h.cluster.kubectl("apply", "-f", "-", input=rendered)
+    account = f"{h.ns}-megatron-operator"
+    status, body = h.cluster.request(
+        "POST",
+        f"/api/v1/namespaces/{h.ns}/serviceaccounts/{account}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
+    )
+    assert status == 201, body
+    config = yaml.safe_load(h.cluster.kubeconfig.read_text())
+    config["users"] = [{"name": "admin", "user": {"token": body["status"]["token"]}}]
+    path = h.cluster.kubeconfig.parent / f"kubeconfig-{h.ns}"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_charts_rbac_is_enough_for_queueing(h: Harness) -> None:
+    """The operator as the chart's ServiceAccount: creates and watches the Workload, reads the
+    flavor, and after an eviction patches the Workload's status (every Kueue verb the chart grants)."""
+    h.add_nodes(1)
+    _queues(h, gpus=2)
+    kubeconfig = _chart_identity(h)
+    op = OperatorProcess(kubeconfig, h.ns, h.tmp / "operator-rbac.log").start()
+    h.operators.append(op)
+    h.agents.operator_urls.append(op.url)
+    _submit(h, replicas=2, spares=1)
+    _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting for Kueue")
+    _set_quota(h, gpus=3)
+    h.wait_running(1)
+    for pod in wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods"):
+        assert pod["spec"]["nodeSelector"][FLAVOR_LABEL] == h.ns
+    status, body = h.cluster.request(
+        "PATCH",
+        f"{WORKLOADS}/namespaces/{h.ns}/workloads/megatronjob-{JOB}",
+        {"spec": {"active": False}},
+        content_type="application/merge-patch+json",
+    )
+    assert status == 200, body
+    wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
+    wait_for(lambda: (w := _workload(h)) and "admission" not in (w.get("status") or {}), T, "the quota given back")
+    assert "Forbidden" not in op.log_text() and "403" not in op.log_text(), op.log_text()[-3000:]
