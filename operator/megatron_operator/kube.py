@@ -155,6 +155,15 @@ async def create_custom(group: str, version: str, plural: str, body: dict[str, A
     return True
 
 
+async def delete_custom(group: str, version: str, plural: str, namespace: str, name: str) -> None:
+    """Delete a namespaced custom object (gone already is fine)."""
+    try:
+        await _call(_custom().delete_namespaced_custom_object, group, version, namespace, plural, name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
 async def get_cluster_custom(group: str, version: str, plural: str, name: str) -> dict[str, Any] | None:
     """A cluster-scoped custom object, or None when there is none."""
     try:

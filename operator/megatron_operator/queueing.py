@@ -43,6 +43,9 @@ SPARE_POD_SET = "spares"
 #: How long a cluster without Kueue's CRDs is taken as such before the operator asks again.
 ABSENT_RECHECK_SECONDS = 60.0
 _ROLE_POD_SET = {wire.ROLE_WORKER: WORKER_POD_SET, wire.ROLE_SPARE: SPARE_POD_SET}
+#: How long a Workload this process created may take to show in the watch before it is created again
+#: (it was deleted meanwhile: by hand, or for a new size).
+WATCH_GRACE_SECONDS = 10.0
 #: Eviction reasons after which the Workload queues again (Kueue's job framework marks it Requeued).
 _REQUEUED_REASONS = ("Preempted", "NodeFailures")
 
@@ -89,14 +92,25 @@ def _pod_set(job: JobRef, spec: MegatronJobSpec, role: str, count: int) -> dict[
     }
 
 
+def pod_set_counts(spec: MegatronJobSpec) -> dict[str, int]:
+    """The pods of each pod set the job's Workload asks for."""
+    counts = {WORKER_POD_SET: spec.worker_pods}
+    if spec.spares:
+        counts[SPARE_POD_SET] = spec.spares
+    return counts
+
+
+def counts_of(workload: Mapping[str, Any]) -> dict[str, int]:
+    return {p.get("name"): p.get("count") for p in (workload.get("spec") or {}).get("podSets") or []}
+
+
 def build_workload(job: JobRef, spec: MegatronJobSpec, queue: str) -> dict[str, Any]:
     """The job's Workload: workers (every pod of the full mesh) and spares, admitted as one gang.
 
     Complete as written: no admission webhook of Kueue's has to default anything.
     """
-    pod_sets = [_pod_set(job, spec, wire.ROLE_WORKER, spec.worker_pods)]
-    if spec.spares:
-        pod_sets.append(_pod_set(job, spec, wire.ROLE_SPARE, spec.spares))
+    role_of = {WORKER_POD_SET: wire.ROLE_WORKER, SPARE_POD_SET: wire.ROLE_SPARE}
+    pod_sets = [_pod_set(job, spec, role_of[name], count) for name, count in pod_set_counts(spec).items()]
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "Workload",
@@ -243,33 +257,52 @@ class QueueGate:
         self.job = job
         self.workload_of = workload_of
         self.absent_until = 0.0  # monotonic time until which Kueue is taken as not installed
-        self.created = False  # this process created the Workload (the watch may not show it yet)
+        self.created_at = -float("inf")  # when this process last created the Workload (the watch lags)
         self.flavor_labels: dict[str, dict[str, str]] = {}
         self.released_version: str | None = None  # the Workload version already released
 
     async def gate(self, body: Any, spec: MegatronJobSpec) -> Gate | None:
         """The Workload's verdict for the job's pods; None when the job is not queued (no label, or
-        no Kueue in the cluster: the job then runs as any other, as Kueue's own integrations do)."""
+        no Kueue in the cluster: the job then runs as any other, as Kueue's own integrations do).
+
+        A Workload whose pod sets no longer match the spec (``replicas`` or ``spares`` edited) is
+        deleted and made again: the job queues again at its new size (suspended meanwhile), as
+        Kueue does when a job it manages changes shape."""
         queue = queue_name(body)
         if queue is None or time.monotonic() < self.absent_until:
             return None
         workload = self.workload_of()
+        name = workload_name(self.job)
         if workload is None:
-            if not self.created:
-                try:
-                    await kube.create_custom(GROUP, VERSION, WORKLOADS, build_workload(self.job, spec, queue))
-                except kube.NotServed:
-                    self.absent_until = time.monotonic() + ABSENT_RECHECK_SECONDS
-                    log.warning(
-                        "%s/%s: labelled for Kueue queue %r, but the cluster serves no Kueue Workloads: "
-                        "the job runs without queueing",
-                        self.job.namespace,
-                        self.job.name,
-                        queue,
-                    )
-                    return None
-                self.created = True
-            return Gate(Verdict.PENDING, f"Workload {workload_name(self.job)} created in queue {queue}")
+            if time.monotonic() - self.created_at < WATCH_GRACE_SECONDS:
+                return Gate(Verdict.PENDING, f"Workload {name} created in queue {queue}")
+            try:
+                await kube.create_custom(GROUP, VERSION, WORKLOADS, build_workload(self.job, spec, queue))
+            except kube.NotServed:
+                self.absent_until = time.monotonic() + ABSENT_RECHECK_SECONDS
+                log.warning(
+                    "%s/%s: labelled for Kueue queue %r, but the cluster serves no Kueue Workloads: "
+                    "the job runs without queueing",
+                    self.job.namespace,
+                    self.job.name,
+                    queue,
+                )
+                return None
+            self.created_at = time.monotonic()
+            return Gate(Verdict.PENDING, f"Workload {name} created in queue {queue}")
+        meta = workload.get("metadata") or {}
+        owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+        if meta.get("deletionTimestamp") or self.job.uid not in owners:
+            return Gate(Verdict.PENDING, f"Workload {name} is being deleted (another job's, or of another size)")
+        wanted, held = pod_set_counts(spec), counts_of(workload)
+        if held != wanted:
+            log.info(
+                "%s/%s: pod sets %s, the Workload has %s: made again", self.job.namespace, self.job.name, wanted, held
+            )
+            await kube.delete_custom(GROUP, VERSION, WORKLOADS, self.job.namespace, name)
+            return Gate(
+                Verdict.PENDING, f"the job's pod sets changed ({held} -> {wanted}): Workload {name} is made again"
+            )
         for flavor in flavors_of(workload) - set(self.flavor_labels):
             found = await kube.get_cluster_custom(GROUP, VERSION, RESOURCE_FLAVORS, flavor)
             self.flavor_labels[flavor] = dict(((found or {}).get("spec") or {}).get("nodeLabels") or {})

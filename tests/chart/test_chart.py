@@ -72,8 +72,8 @@ def test_renders_secure_operator(helm: Path) -> None:
     # Secrets: written (each job's token Secret), never read; the token key is mounted, not fetched.
     secret_verbs = {v for r in role["rules"] if "secrets" in r["resources"] for v in r["verbs"]}
     assert secret_verbs == {"create", "patch"}, secret_verbs
-    # Kueue: exactly what queueing.py and the Workload watch use (create, list/watch, a status patch,
-    # reading ResourceFlavors); never a write to Kueue's queues or another controller's Workloads' specs.
+    # Kueue: exactly what queueing.py and the Workload watch use (create, list/watch, delete, a status
+    # patch, reading ResourceFlavors); never a write to Kueue's queues or another controller's Workloads' specs.
     kueue = {
         r: set(rule["verbs"])
         for rule in role["rules"]
@@ -81,7 +81,7 @@ def test_renders_secure_operator(helm: Path) -> None:
         for r in rule["resources"]
     }
     assert kueue == {
-        "workloads": {"create", "list", "watch"},
+        "workloads": {"create", "list", "watch", "delete"},
         "workloads/status": {"patch"},
         "resourceflavors": {"get"},
     }, kueue

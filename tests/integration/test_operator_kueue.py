@@ -19,6 +19,8 @@ quota) and LocalQueue. Scenarios:
   periodic checkpoint;
 - the operator acting as the chart's ServiceAccount (its ClusterRole and leader Role) queues a job,
   runs it once admitted and gives the quota back after an eviction: the chart grants what it uses;
+- resizing a running queued job (``spec.replicas``) makes its Workload again at the new size: the job
+  is suspended with a checkpoint, admitted again and resumes at the new size;
 - in a cluster without Kueue, a labelled job runs as if unlabelled;
 - the production example's Workload passes the API server's validation under Kueue's CRDs.
 The operator's log, the namespace's objects and Kueue's log tail are printed when a test fails.
@@ -39,7 +41,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from operator_factories import make_job
-from operator_harness import POOL_LABEL, REPO, Harness, OperatorProcess, harness_for_test
+from operator_harness import JOBS, POOL_LABEL, REPO, Harness, OperatorProcess, harness_for_test
 
 from localcluster import build
 from localcluster import kueue as kueue_objects
@@ -52,7 +54,7 @@ from megatronjob_builders import PRODUCTION_EXAMPLE, example_job
 
 pytestmark = pytest.mark.cluster
 JOB = "queued"
-T = 30.0
+T = 60.0  # a wait's deadline: each step here passes through Kueue's manager too, on a loaded machine
 FLAVOR_LABEL = "example.com/gpu-flavor"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 CHART = REPO / "charts" / "megatron-operator"
@@ -123,6 +125,7 @@ def _queue_condition(h: Harness, value: str, reason: str, what: str) -> dict[str
     return h.wait_status(
         lambda s: (c := _condition(s, "QueueAdmitted")) is not None and c["status"] == value and c["reason"] == reason,
         what,
+        T,
     )
 
 
@@ -132,7 +135,7 @@ def test_a_queued_job_waits_for_quota_then_runs_on_the_flavors_nodes(h: Harness)
     h.start_operator()
     job = _submit(h, replicas=2, spares=1)
     status = _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting for Kueue")
-    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job suspended until admitted")
+    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job suspended until admitted", T)
     suspended = _condition(status, "Suspended")
     assert suspended is not None and (suspended["status"], suspended["reason"]) == ("True", "WaitingForQueueAdmission")
     workload = wait_for(lambda: _workload(h), T, "the job's Workload")
@@ -158,7 +161,7 @@ def test_a_queued_job_waits_for_quota_then_runs_on_the_flavors_nodes(h: Harness)
     assert h.api.pods(JOB) == [], "pods created before Kueue admitted the job"
 
     _set_quota(h, gpus=3)
-    h.wait_running(1)
+    h.wait_running(1, T)
     _queue_condition(h, "True", "AdmittedByQueue", "QueueAdmitted=True")
     pods = wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods")
     for pod in pods:
@@ -170,7 +173,7 @@ def test_a_job_without_the_label_ignores_kueue(h: Harness) -> None:
     _queues(h, gpus=0)  # Kueue would never admit it
     h.start_operator()
     _submit(h, queue=None, replicas=2, spares=1)
-    status = h.wait_running(1)
+    status = h.wait_running(1, T)
     assert _condition(status, "QueueAdmitted") is None, status
     assert _workload(h) is None
     assert all(FLAVOR_LABEL not in p["spec"]["nodeSelector"] for p in h.api.pods(JOB))
@@ -181,7 +184,7 @@ def _admitted_and_running(h: Harness, gpus: int, *, preempt: bool = False, **spe
     _queues(h, gpus=gpus, preempt=preempt)
     h.start_operator()
     _submit(h, replicas=2, spares=1, **spec)
-    h.wait_running(1)
+    h.wait_running(1, T)
     wait_for(lambda: len(h.api.running_pods(JOB)) == 3, T, "three running pods")
 
 
@@ -195,7 +198,7 @@ def test_deactivating_the_workload_suspends_the_job_with_a_checkpoint(h: Harness
     )
     assert status == 200, body
     _queue_condition(h, "False", "EvictedByQueue", "the job evicted")
-    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job suspended")
+    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job suspended", T)
     assert status["plan"]["reason"] == "suspend", status["plan"]
     suspended = _condition(status, "Suspended")
     assert suspended is not None and (suspended["status"], suspended["reason"]) == ("True", "EvictedByQueue")
@@ -219,7 +222,7 @@ def test_deactivating_the_workload_suspends_the_job_with_a_checkpoint(h: Harness
 def test_preemption_stops_a_job_without_checkpoints_at_once_and_it_comes_back(h: Harness) -> None:
     h.agents.checkpoint_interval = 2  # a checkpoint to resume from once admitted again
     _admitted_and_running(h, gpus=3, preempt=True)
-    h.wait_status(lambda s: s.get("checkpointStep"), "a checkpoint")
+    h.wait_status(lambda s: s.get("checkpointStep"), "a checkpoint", T)
     first = h.pod_names()
     vip = {
         "apiVersion": f"{kueue_objects.GROUP}/{kueue_objects.VERSION}",
@@ -247,7 +250,7 @@ def test_preemption_stops_a_job_without_checkpoints_at_once_and_it_comes_back(h:
     status, body = h.cluster.request("POST", f"{WORKLOADS}/namespaces/{h.ns}/workloads", vip)
     assert status == 201, body
     _queue_condition(h, "False", "EvictedByQueue", "the job preempted")
-    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job stopped")
+    status = h.wait_status(lambda s: s.get("phase") == "Suspended", "the job stopped", T)
     suspended = _condition(status, "Suspended")
     assert suspended is not None and "without one" in suspended["message"], suspended
     wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
@@ -273,7 +276,7 @@ def test_preemption_stops_a_job_without_checkpoints_at_once_and_it_comes_back(h:
     _queue_condition(h, "True", "AdmittedByQueue", "the job admitted again")
     pods = wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods again")
     assert not first & {p["metadata"]["name"] for p in pods}
-    status = h.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch", 0) > 1, "training again")
+    status = h.wait_status(lambda s: s.get("phase") == "Running" and s.get("epoch", 0) > 1, "training again", T)
     assert status["plan"]["reason"] == "resume", status["plan"]
     assert status["plan"]["resumeStep"] == status["checkpointStep"] == first_checkpoint
 
@@ -304,7 +307,7 @@ def test_without_kueue_a_labelled_job_runs_as_any_other(tmp_path: Path, request:
             h.add_nodes(1)
             h.start_operator()
             _submit(h, replicas=2, spares=1)
-            status = h.wait_running(1)
+            status = h.wait_running(1, T)
             assert _condition(status, "QueueAdmitted") is None and _condition(status, "Suspended") is None, status
             assert "runs without queueing" in h.operators[0].log_text()
 
@@ -347,7 +350,7 @@ def test_the_charts_rbac_is_enough_for_queueing(h: Harness) -> None:
     _submit(h, replicas=2, spares=1)
     _queue_condition(h, "False", "WaitingForQueueAdmission", "the job waiting for Kueue")
     _set_quota(h, gpus=3)
-    h.wait_running(1)
+    h.wait_running(1, T)
     for pod in wait_for(lambda: len(p := h.api.running_pods(JOB)) == 3 and p, T, "three running pods"):
         assert pod["spec"]["nodeSelector"][FLAVOR_LABEL] == h.ns
     status, body = h.cluster.request(
@@ -360,3 +363,24 @@ def test_the_charts_rbac_is_enough_for_queueing(h: Harness) -> None:
     wait_for(lambda: not h.api.pods(JOB), T, "every pod of the job deleted")
     wait_for(lambda: (w := _workload(h)) and "admission" not in (w.get("status") or {}), T, "the quota given back")
     assert "Forbidden" not in op.log_text() and "403" not in op.log_text(), op.log_text()[-3000:]
+
+
+def test_resizing_a_queued_job_queues_it_again_at_its_new_size(h: Harness) -> None:
+    _admitted_and_running(h, gpus=4, checkpoint={"path": "/checkpoints/queued"})
+    old_uid = (_workload(h) or {})["metadata"]["uid"]
+    status, body = h.cluster.request(
+        "PATCH",
+        f"{JOBS}/namespaces/{h.ns}/{wire.PLURAL}/{JOB}",
+        {"spec": {"replicas": 3}},
+        content_type="application/merge-patch+json",
+    )
+    assert status == 200, body
+    workload = wait_for(
+        lambda: (w := _workload(h)) and w["metadata"]["uid"] != old_uid and w, T, "a new Workload for the new size"
+    )
+    assert {p["name"]: p["count"] for p in workload["spec"]["podSets"]} == {"workers": 3, "spares": 1}
+    status = h.wait_status(
+        lambda s: s.get("phase") == "Running" and s.get("mesh", "").startswith("3x"), "training at the new size", T
+    )
+    assert status["plan"]["reason"] == "resume", status["plan"]
+    assert len(wait_for(lambda: len(p := h.api.running_pods(JOB)) == 4 and p, T, "four running pods")) == 4

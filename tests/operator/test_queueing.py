@@ -219,3 +219,32 @@ def test_an_eviction_stops_the_pods_without_a_checkpoint_when_none_can_be_had() 
     assert (value, reason) == (True, "EvictedByQueue") and "resumes from the start" in message
     # A job without spec.checkpoint (limit 0): at once.
     assert queueing.forced_stop(_evicted(0), Suspension(Stage.SAVE, None), 0.0, NOW, None) is not None
+
+
+def test_a_workload_of_another_size_is_made_again(monkeypatch: Any) -> None:
+    deleted: list[str] = []
+
+    async def delete(group: str, version: str, plural: str, namespace: str, name: str) -> None:
+        deleted.append(name)
+
+    monkeypatch.setattr(kube, "delete_custom", delete)
+    spec = make_spec(2, spares=1)
+    body = {"metadata": {"labels": {queueing.QUEUE_LABEL: "team-a"}}}
+    stored = queueing.build_workload(JOB, spec, "team-a")
+    stored["metadata"]["resourceVersion"] = "7"
+    gate = queueing.QueueGate(JOB, lambda: stored)
+    assert asyncio.run(gate.gate(body, spec)) == queueing.Gate(
+        Verdict.PENDING, "waiting for Kueue to admit the Workload"
+    )
+    assert deleted == []
+    resized = asyncio.run(gate.gate(body, make_spec(3, spares=1)))
+    assert resized is not None and resized.verdict is Verdict.PENDING and "made again" in resized.message
+    assert deleted == ["megatronjob-gpt"]
+
+
+def test_a_workload_of_an_older_job_of_that_name_is_not_used() -> None:
+    stored = queueing.build_workload(JobRef("gpt", "ns", "uid-old"), make_spec(2), "team-a")
+    stored["status"] = {"admission": ADMISSION, "conditions": [_cond("Admitted", "True")]}
+    gate = queueing.QueueGate(JOB, lambda: stored)
+    result = asyncio.run(gate.gate({"metadata": {"labels": {queueing.QUEUE_LABEL: "team-a"}}}, make_spec(2)))
+    assert result is not None and result.verdict is Verdict.PENDING and "being deleted" in result.message
