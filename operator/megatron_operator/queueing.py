@@ -309,13 +309,14 @@ class QueueGate:
         return read_gate(workload, self.flavor_labels)
 
     async def release(self) -> bool:
-        """Give an evicted Workload's quota back (the pods are gone); True once done for this version."""
+        """Give an evicted Workload's quota back (the pods are gone); True when this call did (once per
+        version of the Workload: the watch may still show the version released)."""
         workload = self.workload_of()
         if workload is None:
             return False
         version = workload["metadata"]["resourceVersion"]
         if version == self.released_version:
-            return True
+            return False
         patch = release_status(workload, datetime.now(UTC))
         name = workload_name(self.job)
         if not await kube.patch_custom_status(GROUP, VERSION, WORKLOADS, self.job.namespace, name, patch):

@@ -248,3 +248,19 @@ def test_a_workload_of_an_older_job_of_that_name_is_not_used() -> None:
     gate = queueing.QueueGate(JOB, lambda: stored)
     result = asyncio.run(gate.gate({"metadata": {"labels": {queueing.QUEUE_LABEL: "team-a"}}}, make_spec(2)))
     assert result is not None and result.verdict is Verdict.PENDING and "being deleted" in result.message
+
+
+def test_the_quota_is_given_back_once_per_version(monkeypatch: Any) -> None:
+    patches: list[dict[str, Any]] = []
+
+    async def patch(group: str, version: str, plural: str, namespace: str, name: str, body: dict[str, Any]) -> bool:
+        patches.append(body)
+        return True
+
+    monkeypatch.setattr(kube, "patch_custom_status", patch)
+    evicted = {"admission": ADMISSION, "conditions": [_cond("Evicted", "True", "Preempted")]}
+    stored = _workload(evicted)
+    gate = queueing.QueueGate(JOB, lambda: stored)
+    assert asyncio.run(gate.release()) is True
+    assert asyncio.run(gate.release()) is False  # the watch has not brought the released version yet
+    assert len(patches) == 1 and patches[0]["metadata"]["resourceVersion"] == "42"
