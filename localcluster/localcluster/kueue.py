@@ -24,7 +24,6 @@ the metrics endpoint, which the tests do not scrape).
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import shutil
 import subprocess
@@ -244,13 +243,3 @@ def local_queue(namespace: str, name: str, cluster_queue_name: str) -> dict[str,
         "metadata": {"namespace": namespace, "name": name},
         "spec": {"clusterQueue": cluster_queue_name},
     }
-
-
-@contextlib.contextmanager
-def running(cluster: LocalCluster, timeout: float = 120.0) -> Any:
-    """Kueue's manager for the duration of a ``with`` block."""
-    manager = KueueManager(cluster).start(timeout)
-    try:
-        yield manager
-    finally:
-        manager.stop()
