@@ -2,7 +2,8 @@
 # Set up everything on a fresh machine, idempotently; later runs take a second or two.
 #  1. a Python 3.12 virtual environment OUTSIDE the clone ($MEGATRON_OPERATOR_CACHE/venv), holding
 #     the dependencies named in pyproject.toml (torch is a few GB: downloaded once, reused by CI);
-#  2. the pinned Kubernetes control-plane binaries, built from their Go modules and cached.
+#  2. the pinned Kubernetes control-plane binaries (and kwok, helm, Prometheus, Kueue), built from
+#     their Go modules and cached.
 # The project itself is not installed into the shared venv: the Makefile puts the clone's source
 # folders on PYTHONPATH, so several clones can share one venv.
 set -euo pipefail
@@ -51,8 +52,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     printf '%s' "$WANT" > "$STAMP"
 fi
 
-# Control plane, kwok, helm, helm-docs, Prometheus and promtool (first run builds them from Go
-# modules: ~15 minutes on 2 cores).
+# Control plane, kwok, helm, helm-docs, Prometheus, promtool and Kueue (first run builds them from Go
+# modules: ~20 minutes on 2 cores). Built here, not on first use, so no test waits for (or skips
+# for want of) a binary.
 PYTHONPATH=localcluster "$VENV/bin/python" -m localcluster.build >/dev/null
 if ! command -v kubectl >/dev/null 2>&1; then
     echo "setup: kubectl not found; installing Debian's package" >&2

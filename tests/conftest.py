@@ -2,7 +2,8 @@
 
 ``local_cluster`` starts etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok
 on loopback once per test session (the binaries are built on first use and cached outside the
-clone), installs the CRDs from ``crds/`` and registers four fake GPU nodes.
+clone), installs the CRDs from ``crds/`` and registers four fake GPU nodes. ``kueue`` runs Kueue's
+controller manager against it, from the first test that asks for it to the end of the session.
 
 At session finish the run fails if a process it started is still running (``leftover_processes``,
 checked after these fixtures are torn down).
@@ -19,6 +20,7 @@ import pytest
 
 from leftover_processes import pytest_sessionfinish  # noqa: F401 - the session-end check, a hook
 from localcluster.cluster import LocalCluster
+from localcluster.kueue import KueueManager
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +33,17 @@ def local_cluster() -> Iterator[LocalCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def kueue(local_cluster: LocalCluster) -> Iterator[KueueManager]:
+    """Kueue's controller manager (built from its Go module on first use) against the session's
+    cluster, for the rest of the session once a test asks for it; its CRDs stay installed."""
+    manager = KueueManager(local_cluster).start()
+    try:
+        yield manager
+    finally:
+        manager.stop()
 
 
 @pytest.fixture(scope="session")

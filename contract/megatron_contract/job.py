@@ -731,6 +731,9 @@ class ConditionType(enum.StrEnum):
     #: True while the operator keeps its hands off the job because it cannot trust its status: the
     #: status cannot be read by this version, or the agents hold a newer epoch than it records.
     RECONCILE_PAUSED = "ReconcilePaused"
+    #: Only on a job queued through Kueue (labelled ``kueue.x-k8s.io/queue-name``): True once Kueue
+    #: admitted its Workload; False while it waits for admission or after an eviction.
+    QUEUE_ADMITTED = "QueueAdmitted"
     #: True while the job is suspended (its pods stopped after its checkpoint was written); False while
     #: it is being suspended or resumed, or when a suspension could not write its checkpoint (the reason
     #: says which). Absent until the job is first suspended.

@@ -9,6 +9,7 @@ live in ``k8s.io/kubernetes``, whose go.mod points its staging modules (``k8s.io
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,8 @@ HELM_VERSION = "v3.21.4"
 HELM_DOCS_VERSION = "v1.14.2"
 #: Prometheus 3.16.0 (its Go module numbers releases v0.3MM.P for 3.MM.P).
 PROMETHEUS_VERSION = "v0.316.0"
+#: Kueue's controller manager (localcluster/kueue.py); its CRDs come from the same module.
+KUEUE_VERSION = "v0.15.2"
 
 #: Staging modules of k8s.io/kubernetes v1.33, each published as k8s.io/NAME v0.33.x.
 _STAGING_MODULES = [
@@ -78,6 +81,9 @@ class Component:
     #: Go build tags. A component built with tags skips ``go mod tidy``, which resolves the
     #: modules of every tag combination, including code the tags leave out.
     tags: tuple[str, ...] = ()
+    #: A folder of the module's source kept next to the binary (``files_path``), e.g. CRDs that
+    #: must match the binary's version.
+    module_files: str | None = None
 
     def ldflags(self) -> str:
         """Strip symbols; stamp k8s binaries with their version (a module build leaves v0.0.0,
@@ -140,7 +146,15 @@ PROMTOOL = Component(
     "github.com/prometheus/prometheus/cmd/promtool",
     _PROMETHEUS_TAGS,
 )
-ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM, HELM_DOCS, PROMETHEUS, PROMTOOL)}
+# Kueue's manager, for jobs queued through Kueue (localcluster/kueue.py).
+KUEUE = Component(
+    "kueue",
+    "sigs.k8s.io/kueue",
+    KUEUE_VERSION,
+    "sigs.k8s.io/kueue/cmd/kueue",
+    module_files="config/components/crd/bases",
+)
+ALL = {c.name: c for c in (*CONTROL_PLANE, KWOK, HELM, HELM_DOCS, PROMETHEUS, PROMTOOL, KUEUE)}
 
 
 def cache_dir() -> Path:
@@ -150,6 +164,11 @@ def cache_dir() -> Path:
 
 def binary_path(component: Component) -> Path:
     return cache_dir() / "bin" / f"{component.name}-{component.version}"
+
+
+def files_path(component: Component) -> Path:
+    """Where ``component.module_files`` is kept (a copy out of the module cache, which may be cleaned)."""
+    return cache_dir() / "share" / f"{component.name}-{component.version}"
 
 
 def _log(msg: str) -> None:
@@ -163,18 +182,22 @@ def build(component: Component) -> Path:
         BuildError: ``go`` is missing or the build failed.
     """
     target = binary_path(component)
-    if target.exists():
+    files_missing = component.module_files is not None and not files_path(component).exists()
+    if target.exists() and not files_missing:
         return target
     go = shutil.which("go")
     if go is None:
         raise BuildError("the Go toolchain ('go') is not on PATH; it is needed once to build " + component.name)
     work = cache_dir() / "gomod" / f"{component.name}-{component.version}"
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
+    if target.exists():  # the binary is there, the module's files are not (an older cache)
+        _copy_module_files(go, component, work, env)
+        return target
     work.mkdir(parents=True, exist_ok=True)
     (work / "go.mod").write_text(component.go_mod())
     (work / "tools.go").write_text(f'//go:build tools\n\npackage tools\n\nimport _ "{component.package}"\n')
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
-    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
     compile_cmd = [go, "build", "-trimpath", f"-ldflags={component.ldflags()}", "-o", str(partial)]
     if component.tags:
         compile_cmd.append("-tags=" + ",".join(component.tags))
@@ -184,9 +207,33 @@ def build(component: Component) -> Path:
     for what, cmd in steps:
         _log(f"{component.name} {component.version}: {what} (first run only; minutes on 2 cores)")
         _run_with_progress(cmd, work, env, component.name)
+    if component.module_files is not None:
+        _copy_module_files(go, component, work, env)
     partial.rename(target)
     _log(f"{component.name}: built {target}")
     return target
+
+
+def _copy_module_files(go: str, component: Component, work: Path, env: dict[str, str]) -> None:
+    """Copy ``component.module_files`` out of the module (downloaded again if the cache was cleaned)."""
+    assert component.module_files is not None
+    proc = subprocess.run(
+        [go, "mod", "download", "-json", f"{component.module}@{component.version}"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise BuildError(f"downloading {component.module}@{component.version} failed:\n{proc.stdout}{proc.stderr}")
+    source = Path(json.loads(proc.stdout)["Dir"]) / component.module_files
+    dest = files_path(component)
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial)
+    for f in partial.rglob("*"):
+        f.chmod(0o644 if f.is_file() else 0o755)  # the module cache's files are read-only
+    partial.rename(dest)
 
 
 def _run_with_progress(cmd: list[str], cwd: Path, env: dict[str, str], name: str) -> None:
@@ -210,7 +257,7 @@ def _run_with_progress(cmd: list[str], cwd: Path, env: dict[str, str], name: str
 
 def build_all(names: list[str] | None = None) -> dict[str, Path]:
     """Build (or find cached) every named component; all of them (control plane, kwok, helm, helm-docs,
-    prometheus, promtool) by default."""
+    prometheus, promtool, kueue) by default."""
     unknown = sorted(set(names or ()) - set(ALL))
     if unknown:
         raise BuildError(f"unknown component(s) {', '.join(unknown)}; known: {', '.join(ALL)}")

@@ -110,6 +110,26 @@ def generate(directory: Path, days: int = 30) -> Certs:
     return c
 
 
+def serving_cert(c: Certs, name: str, days: int = 30) -> tuple[Path, Path]:
+    """A serving certificate for ``127.0.0.1``, signed by the cluster's CA (a webhook the API server
+    calls by URL); returns the certificate's and the key's paths, in the CA's folder."""
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
+        cwd=c.dir,
+    )
+    _sign(c.dir, c, name, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth", str(days))
+    return c.dir / f"{name}.crt", c.dir / f"{name}.key"
+
+
 def _sign(directory: Path, c: Certs, name: str, ext: str, days: str) -> None:
     ext_file = directory / f"{name}.ext"
     ext_file.write_text(ext + "\n")

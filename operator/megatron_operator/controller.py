@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -31,7 +32,7 @@ from megatron_contract.agent import AgentReport
 from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import builders, kube, metrics, skew, suspend
+from megatron_operator import builders, kube, metrics, queueing, skew, suspend
 from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
@@ -39,6 +40,7 @@ from megatron_operator.goodput import GoodputLedger
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome, Placement
 from megatron_operator.push import PlanPusher, PushOutcome, PushResult
+from megatron_operator.queueing import Gate, QueueGate, Verdict
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import (
@@ -107,6 +109,7 @@ class JobController:
         token_key: bytes | None = None,
         node_labels: Callable[[str], Mapping[str, str]] | None = None,
         draining: Callable[[], Collection[str]] | None = None,
+        workload_of: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.job = job
         self.body = body  # kopf's live view of the job
@@ -118,6 +121,9 @@ class JobController:
         self.node_labels = node_labels or (lambda _: {})
         self.draining = draining or (lambda: ())
         self.drain_waiting: str | None = None  # the last "drain waits" said, so it is said once
+        # Kueue (queueing.py): the job's Workload as watched, and what it allows this pass.
+        self.queue = QueueGate(job, workload_of or (lambda: None))
+        self.gate: Gate | None = None
         # Where the job's pods run (node, failure domain), kept a while after a pod is gone: a failed
         # pod's replacement is taken from another domain (planner.py).
         self.node_of: dict[str, str] = {}
@@ -186,9 +192,9 @@ class JobController:
         return self.status.plan
 
     def suspend_request(self, spec: MegatronJobSpec) -> SuspendRequest | None:
-        """Whether the job's pods are to stop with its work kept, and why: ``spec.suspend``. The one
-        place to add another asker (a queue that preempts the job): return its request here."""
-        return suspend.requested(spec)
+        """Whether the job's pods are to stop with its work kept, and why: ``spec.suspend``, or Kueue
+        not admitting the job's Workload (not yet, or not any more: an eviction)."""
+        return suspend.requested(spec) or queueing.suspend_request(self.gate)
 
     def accept_reports(self, reports: Iterable[AgentReport]) -> int:
         """Agent reports of this job (already stored in the book): wake for anything that matters."""
@@ -402,6 +408,8 @@ class JobController:
             self.hold = hold
             await self._announce_hold(hold)
             return
+        self.gate = await self.queue.gate(self.body, spec)
+        await self._note_queue(self.gate, generation)
         nodes = self.nodes()
         self._place(spec, pods, members)
         request = self.suspend_request(spec)
@@ -453,6 +461,8 @@ class JobController:
         if a.terminal is not None:
             await self._terminate(a, spec, generation, now)
             return
+        if self.gate is not None and self.gate.verdict is Verdict.EVICTED:
+            a = await self._yield_to_queue(a, spec, pods, now)
         if a.suspension is not None and a.suspension.stage in (Stage.STOP, Stage.STOPPED):
             await self._stop(a, spec, generation, now)
             return
@@ -609,6 +619,45 @@ class JobController:
             suspended=a.suspension.condition if a.suspension is not None else None,
         )
         self._post(events)
+
+    async def _note_queue(self, gate: Gate | None, generation: int | None) -> None:
+        """The ``QueueAdmitted`` condition of a queued job follows its Workload's verdict (written,
+        and said in an event, when it changes)."""
+        if gate is None:
+            return
+        value, reason = queueing.admitted_condition(gate)
+        old = condition(self.status, ConditionType.QUEUE_ADMITTED)
+        if old is not None and (old.status == "True") == value and old.reason == reason:
+            return
+        conditions = set_condition(
+            self.status.conditions, ConditionType.QUEUE_ADMITTED, value, reason, gate.message[:2000], _now(), generation
+        )
+        new = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
+        await kube.write_status(self.job.namespace, self.job.name, status_body(new))
+        self.status = new
+        log.info("%s/%s: Kueue: %s (%s)", self.job.namespace, self.job.name, reason, gate.message[:300])
+        if gate.verdict is not Verdict.PENDING:
+            self._post([("Normal" if value else "Warning", reason, gate.message)])
+
+    async def _yield_to_queue(
+        self, a: Assessment, spec: MegatronJobSpec, pods: list[PodFacts], now: datetime
+    ) -> Assessment:
+        """Kueue evicted the job: its suspension (a checkpoint, then no pod) is under way. If it
+        cannot write its checkpoint in time, the pods stop without it (Kueue wants the quota back);
+        once none is left the quota is given back."""
+        assert self.gate is not None
+        limit = spec.checkpoint.suspend_timeout_seconds if spec.checkpoint is not None else 0.0
+        forced = queueing.forced_stop(self.gate, a.suspension, limit, now, self._checkpoint_step())
+        if forced is not None:
+            live = tuple(p.name for p in pods if not p.deleting)
+            log.warning("%s/%s: %s", self.job.namespace, self.job.name, forced.condition[2] if forced.condition else "")
+            return dataclasses.replace(a, suspension=forced, retire=live, delete=())
+        stopped = a.suspension is not None and a.suspension.stage is Stage.STOPPED
+        if stopped and not pods and await self.queue.release():
+            self._post(
+                [("Normal", Reason.QUEUE_QUOTA_RELEASED, "the job's pods are gone: its Workload's quota is given back")]
+            )
+        return a
 
     def _suspension_events(self, a: Assessment) -> list[tuple[str, str, str]]:
         """An event when the Suspended condition is to change (its status or reason): Warning when
@@ -847,16 +896,15 @@ class JobController:
             )
             log.warning("%s/%s: %s", self.job.namespace, self.job.name, self.backoffs[Child.POD].error)
             return []
+        roles = [wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE for i in range(count)]
         bodies = [
-            builders.build_pod(
-                self.job,
-                spec,
-                serial=start + i,
-                role=wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE,
-                operator_url=self.settings.url,
-            )
-            for i in range(count)
+            builders.build_pod(self.job, spec, serial=start + i, role=role, operator_url=self.settings.url)
+            for i, role in enumerate(roles)
         ]
+        if self.gate is not None:  # where Kueue admitted the job: its flavors' nodes
+            bodies = [
+                queueing.with_node_selector(b, self.gate.node_selector(r)) for b, r in zip(bodies, roles, strict=True)
+            ]
         deadline = now + EXPECTED_POD_SECONDS
         for body in bodies:
             self.expected[body["metadata"]["name"]] = deadline

@@ -6,6 +6,7 @@ Everything they decide is decided by pure modules (:mod:`.reconcile`, :mod:`.pla
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ import kopf
 
 from megatron_contract import wire
 from megatron_contract.agent import AgentReport
-from megatron_operator import metrics
+from megatron_operator import metrics, queueing
 from megatron_operator.builders import JobRef
 from megatron_operator.controller import JobController
 from megatron_operator.failures import PodFacts, node_draining, node_ready_status
@@ -41,6 +42,7 @@ class Registry:
         self.nodes_index: Any = None
         self.node_labels_index: Any = None
         self.node_draining_index: Any = None
+        self.workloads: dict[tuple[str, str], Mapping[str, Any]] = {}  # Kueue Workloads by job (watched)
         self.runner: Any = None
 
     # ReportSink
@@ -73,6 +75,9 @@ class Registry:
         if self.node_draining_index is None:
             return set()
         return {name for name, store in self.node_draining_index.items() if any(store)}
+
+    def workload_of(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        return self.workloads.get((namespace, name))
 
     def wake(self, namespace: str, name: str) -> None:
         ctl = self.by_key.get((namespace, name))
@@ -171,6 +176,20 @@ def disruption_budget_event(type: str | None, namespace: str | None, labels: Map
         REGISTRY.children_gone(namespace or "", labels[wire.LABEL_JOB])
 
 
+@kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.WORKLOADS, labels={wire.LABEL_JOB: kopf.PRESENT})
+def workload_event(
+    type: str | None, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> None:
+    """A queued job's Kueue Workload (admitted, evicted, ...): kept for its controller, which wakes.
+    Not watched (and never needed) in a cluster without Kueue."""
+    key = (namespace or "", labels[wire.LABEL_JOB])
+    if type == "DELETED":
+        REGISTRY.workloads.pop(key, None)
+    else:
+        REGISTRY.workloads[key] = copy.deepcopy(dict(body))
+    REGISTRY.wake(*key)
+
+
 @kopf.on.event("nodes")
 def node_event(type: str | None, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]
@@ -200,6 +219,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
         token_key=REGISTRY.token_key,
         node_labels=REGISTRY.labels_of_node,
         draining=REGISTRY.draining_nodes,
+        workload_of=lambda: REGISTRY.workload_of(*key),
     )
     REGISTRY.by_uid[job.uid] = ctl
     REGISTRY.by_key[key] = ctl

@@ -44,6 +44,10 @@ class KubeError(RuntimeError):
     """An API call failed for a reason retrying will not fix."""
 
 
+class NotServed(KubeError):
+    """The API server does not serve that kind of object (its CRD is not installed)."""
+
+
 def configure(kubeconfig: str | None = None) -> client.ApiClient:
     """Load credentials (in-cluster, or a kubeconfig) once; returns the shared ApiClient."""
     global _api
@@ -130,6 +134,68 @@ async def apply_secret(body: dict[str, Any]) -> None:
     """
     meta = body["metadata"]
     await _call(_core().patch_namespaced_secret, meta["name"], meta["namespace"], body, **_APPLY)
+
+
+async def create_custom(group: str, version: str, plural: str, body: dict[str, Any]) -> bool:
+    """Create a namespaced custom object; False when one of that name exists already.
+
+    Raises:
+        NotServed: the API server serves no such kind (404 without a namespace to blame).
+    """
+    try:
+        await _call(
+            _custom().create_namespaced_custom_object, group, version, body["metadata"]["namespace"], plural, body
+        )
+    except ApiException as exc:
+        if _exists_ok(exc):
+            return False
+        if exc.status == 404:
+            raise NotServed(f"{plural}.{group}/{version} is not served: {error_message(exc)}") from exc
+        raise
+    return True
+
+
+async def delete_custom(group: str, version: str, plural: str, namespace: str, name: str) -> None:
+    """Delete a namespaced custom object (gone already is fine)."""
+    try:
+        await _call(_custom().delete_namespaced_custom_object, group, version, namespace, plural, name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+async def get_cluster_custom(group: str, version: str, plural: str, name: str) -> dict[str, Any] | None:
+    """A cluster-scoped custom object, or None when there is none."""
+    try:
+        found = await _call(_custom().get_cluster_custom_object, group, version, plural, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return cast(dict[str, Any], found)
+
+
+async def patch_custom_status(
+    group: str, version: str, plural: str, namespace: str, name: str, patch: dict[str, Any]
+) -> bool:
+    """Merge-patch a namespaced custom object's status; False when the resourceVersion the patch
+    carries is stale (409) or the object is gone (404): the caller looks again."""
+    try:
+        await _call(
+            _custom().patch_namespaced_custom_object_status,
+            group,
+            version,
+            namespace,
+            plural,
+            name,
+            patch,
+            _content_type="application/merge-patch+json",
+        )
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            return False
+        raise
+    return True
 
 
 def error_message(exc: BaseException) -> str:

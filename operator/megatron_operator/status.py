@@ -60,6 +60,11 @@ class Reason:
     STATUS_BEHIND_AGENTS = "StatusBehindAgents"
     RECONCILE_RESUMED = "ReconcileResumed"
     SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
+    # The QueueAdmitted condition of a job queued through Kueue (queueing.py), and its events.
+    WAITING_FOR_QUEUE_ADMISSION = "WaitingForQueueAdmission"
+    QUEUE_ADMITTED = "AdmittedByQueue"
+    QUEUE_EVICTED = "EvictedByQueue"
+    QUEUE_QUOTA_RELEASED = "QueueQuotaReleased"
     # The Suspended condition (and its events): spec.suspend (operator/megatron_operator/suspend.py).
     JOB_SUSPENDED = "JobSuspended"
     SUSPENDING = "Suspending"

@@ -72,6 +72,19 @@ def test_renders_secure_operator(helm: Path) -> None:
     # Secrets: written (each job's token Secret), never read; the token key is mounted, not fetched.
     secret_verbs = {v for r in role["rules"] if "secrets" in r["resources"] for v in r["verbs"]}
     assert secret_verbs == {"create", "patch"}, secret_verbs
+    # Kueue: exactly what queueing.py and the Workload watch use (create, list/watch, delete, a status
+    # patch, reading ResourceFlavors); never a write to Kueue's queues or another controller's Workloads' specs.
+    kueue = {
+        r: set(rule["verbs"])
+        for rule in role["rules"]
+        if "kueue.x-k8s.io" in rule["apiGroups"]
+        for r in rule["resources"]
+    }
+    assert kueue == {
+        "workloads": {"create", "list", "watch", "delete"},
+        "workloads/status": {"patch"},
+        "resourceflavors": {"get"},
+    }, kueue
     [key_secret] = [d for d in docs if d["kind"] == "Secret"]
     assert len(base64.b64decode(key_secret["data"]["key"])) >= 32
     env = {e["name"]: e.get("value") for e in container["env"]}

@@ -1,5 +1,6 @@
 """The hand-written documentation stays true to the code it describes: every relative link in the
-repository's Markdown resolves (files, and anchors into the generated docs/api.md); no file refers
+repository's Markdown resolves (files, and anchors into the generated docs/api.md); no file holds a
+merge conflict's markers; no file refers
 to a document outside the repository; docs/operations.md names every exported metric of the
 operator and the agent, every alert of the chart's PrometheusRule, every failure reason, and every
 condition and event reason of status.py; docs/configuration.md names every operator setting and
@@ -58,9 +59,35 @@ def test_relative_links_resolve() -> None:
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
+_SKIP_DIRS = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".localcluster"}
+
+
+def _text_files() -> list[tuple[Path, str]]:
+    files = []
+    for path in REPO.rglob("*"):
+        if not path.is_file() or _SKIP_DIRS & set(path.relative_to(REPO).parts) or path == Path(__file__):
+            continue
+        try:
+            files.append((path, path.read_text()))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return files
+
+
+def test_no_merge_conflict_left_in_any_file() -> None:
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)")
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path, text in _text_files()
+        for n, line in enumerate(text.splitlines(), 1)
+        if marker.match(line)
+    ]
+    assert not found, "merge conflict markers:\n" + "\n".join(found)
+
+
 def test_nothing_refers_to_documents_outside_the_repository() -> None:
     outside = re.compile(r"\.\./shared/|shared/(DESIGN|FACTS|STYLE)\.md")
-    skip_dirs = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".localcluster"}
+    skip_dirs = _SKIP_DIRS
     found = []
     for path in REPO.rglob("*"):
         if not path.is_file() or skip_dirs & set(path.relative_to(REPO).parts) or path == Path(__file__):

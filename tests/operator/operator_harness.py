@@ -6,7 +6,8 @@
   at each pod's (loopback) address and record who received which plan and when, answer like an
   agent would (409 for a stale epoch, 401/403 for a bad token), and send heartbeats like an
   agent: warm spare before a plan names the pod, then a training step after another (the
-  operator counts a job as training only then). A test mutes a pod to speak for it itself.
+  operator counts a job as training only then); holding a suspend plan, they report its checkpoint
+  written at once. A test mutes a pod to speak for it itself.
 - :func:`wait_for`: wait for a condition with a deadline (never a bare sleep).
 """
 
@@ -151,6 +152,7 @@ class RecordingAgents:
         self.running: set[str] = set()  # pods running at the last sync
         self.members: dict[str, set[str]] = {}  # pod -> members of the plan it holds
         self.mute: set[str] = set()  # pods whose heartbeats the test sends itself (or withholds)
+        self.suspend_at: dict[str, int] = {}  # pod -> step of the suspend plan it holds
         # When set, members report a complete checkpoint every this many of their steps (the
         # operator restores from it when no peer holds the state any more).
         self.checkpoint_interval: int | None = None
@@ -201,6 +203,10 @@ class RecordingAgents:
                     if status == 200:
                         self.held[pod or ip] = epoch
                         self.members[pod or ip] = {m["pod"] for m in body["members"]}
+                        if body["reason"] == "suspend":
+                            self.suspend_at[pod or ip] = int(body["resumeStep"])
+                        else:
+                            self.suspend_at.pop(pod or ip, None)
             with self._lock:
                 self.received.append(
                     Received(
@@ -267,7 +273,11 @@ class RecordingAgents:
                 for pod in sorted(self.running - self.mute):
                     epoch = self.held.get(pod, 0)
                     report: dict[str, Any] = {"jobUid": uid, "pod": pod, "epoch": epoch, "healthy": True}
-                    if pod in self.members.get(pod, set()):
+                    if pod in self.suspend_at:
+                        # A suspend plan: its checkpoint written and verified at once, training stopped.
+                        report.update(state="training", step=steps.get(pod, 0))
+                        report.update(checkpointStep=self.suspend_at[pod], suspendStep=self.suspend_at[pod])
+                    elif pod in self.members.get(pod, set()):
                         steps[pod] = steps.get(pod, 0) + 1
                         report.update(state="training", step=steps[pod])
                         if self.checkpoint_interval and steps[pod] >= self.checkpoint_interval:
