@@ -1048,6 +1048,11 @@ class JobController:
             self._post([("Normal", Reason.CHILDREN_CREATED, "every child of the job is created again")])
 
     async def _sync_labels(self, plan: MeshPlan, pods: list[PodFacts]) -> None:
+        if plan.reason is PlanReason.MIGRATE and self.status.committed_epoch < plan.epoch:
+            # Until the new mesh trains, the leaving members train on up to the plan's step
+            # boundary: their worker label keeps them under the PodDisruptionBudget, or a drain's
+            # eviction would kill one mid-way (a step its peers commit and it does not).
+            return
         replica_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
         patches = []
         for p in pods:

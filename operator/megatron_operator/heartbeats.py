@@ -115,10 +115,11 @@ class HeartbeatBook:
         return min(s for s in steps if s is not None) if steps else None
 
     def step_seconds(self, job_uid: str, pods: Iterable[str]) -> float | None:
-        """The slowest recent step among ``pods``, as their agents reported it (None when none did)."""
+        """The fastest recent step among ``pods``, as their agents reported it (None when none did):
+        a step boundary ahead is counted in it, so that no member overtakes the boundary."""
         seen = self._last.get(job_uid, {})
         times = [seen[p].report.step_time_seconds for p in pods if p in seen]
-        return max((t for t in times if t), default=None)
+        return min((t for t in times if t), default=None)
 
     def checkpoint_step(self, job_uid: str) -> int | None:
         """The newest complete checkpoint any agent of the job reported (a checkpoint is global)."""

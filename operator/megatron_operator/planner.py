@@ -375,8 +375,10 @@ def _new_units(
 def boundary_lead(spec: MegatronJobSpec, step_seconds: float | None) -> int:
     """Steps between the reported step and a plan's step boundary when members switch plans without
     a failure (a drain's move, a suspension): enough for the reports' lag (a heartbeat interval) and
-    the plan's push, so that no member has passed the boundary when the plan lands."""
-    lag = 2 * spec.failure_detection.heartbeat_interval_seconds + 1.0
+    the plan's push, so that no member has passed the boundary when the plan lands. Counted at the
+    fastest recent step and twice over: steps speed up, and a loaded operator pushes late (a member
+    that overtakes the boundary aborts a step its peers commit; seen on a loaded 2-core machine)."""
+    lag = 2 * (2 * spec.failure_detection.heartbeat_interval_seconds + 1.0)
     return max(2, math.ceil(lag / step_seconds) + 1) if step_seconds else 4
 
 

@@ -38,7 +38,7 @@ class AgentSignals:
     unhealthy: Sequence[str] = ()  # pods whose own agent reports failure
     accusations: Sequence[Accusation] = ()  # failed peers reported for the current epoch
     completed_step: int | None = None  # steps every reporting member completed (a count)
-    step_seconds: float | None = None  # the slowest step the members reported lately
+    step_seconds: float | None = None  # the fastest step the members reported lately
     all_succeeded: bool = False  # every member's agent reports that training finished
     # Pods whose agent reported recently that its workers are warm and hold no rank: the only pods
     # a plan may bring in (None: not known, every running pod qualifies; unit tests of other rules).

