@@ -134,7 +134,9 @@ def test_two_workers_killed_at_once_with_one_spare(
         process_nodes.kill_pod_process(namespace, a, signal.SIGKILL)
         process_nodes.kill_pod_process(namespace, b, signal.SIGKILL)
         final = _succeeded_after_one_recovery(local_cluster, namespace, "two", show)
-        assert final["epoch"] >= 2 and final["committedEpoch"] == final["epoch"], show()
+        # The last plan trained, or it is a growth (a spare warm again) that the job's last step beat.
+        grown_at_the_end = final["plan"]["reason"] == "grow" and final["committedEpoch"] == final["epoch"] - 1
+        assert final["epoch"] >= 2 and (final["committedEpoch"] == final["epoch"] or grown_at_the_end), show()
         members = {m["pod"] for m in final["plan"]["members"]}
         assert not members & {a, b}, show()
         _check_samples(samples, 60, 6, show, killed={a, b})
