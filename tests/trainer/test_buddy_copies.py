@@ -10,11 +10,8 @@ waited for, and killed if it outlives the test.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from worker_harness import run_rank_scripts
 
 from localcluster.cluster import free_port
 from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
@@ -74,26 +71,7 @@ print(json.dumps(out), flush=True)
 @pytest.mark.timeout(300)
 def test_refreshes_keep_two_complete_generations_and_the_previous_one_while_in_flight() -> None:
     world, port = 4, free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(r), str(world), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = run_rank_scripts(_RANK, lambda r: [str(r), str(world), str(port)], world, timeout=240)
     for r in results:
         assert r == {
             "in_flight_steps": [2],

@@ -14,12 +14,10 @@ process a test starts is waited for, and killed if it outlives the test.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from worker_harness import make_spec
+from worker_harness import make_spec, run_rank_scripts
 
 from localcluster.cluster import free_port
 
@@ -112,27 +110,9 @@ print(json.dumps({"rank": rank, "checked": checked}), flush=True)
 
 def _run(phase: str, world: int, workdir: Path, spec: str, scenario: str = "{}") -> list[dict[str, int]]:
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK, phase, str(r), str(world), str(port), str(workdir), spec, scenario],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=400)
-            assert p.returncode == 0, err[-4000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
+    return run_rank_scripts(
+        _RANK, lambda r: [phase, str(r), str(world), str(port), str(workdir), spec, scenario], world, timeout=400
+    )
 
 
 def test_a_lost_ranks_shard_is_resharded_from_its_buddys_copy_into_the_new_optimizer(tmp_path: Path) -> None:

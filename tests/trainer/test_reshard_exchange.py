@@ -16,10 +16,9 @@ Every process a test starts is waited for, and killed if it outlives the test.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from worker_harness import run_rank_scripts
 
 from localcluster.cluster import free_port
 
@@ -76,26 +75,9 @@ print(json.dumps({"rank": rank, "ok": ok, "rows": 0 if got is None else got.shap
 
 def _run(scenario: dict[str, object], world: int) -> list[dict[str, object]]:
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK, json.dumps(scenario), str(r), str(world), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = run_rank_scripts(
+        _RANK, lambda r: [json.dumps(scenario), str(r), str(world), str(port)], world, timeout=240
+    )
     return results
 
 

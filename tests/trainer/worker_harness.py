@@ -212,6 +212,34 @@ def spawn_with_channel(
     return process, ours
 
 
+def run_rank_scripts(script: str, rank_args: Callable[[int], list[str]], world: int, timeout: float) -> list[Any]:
+    """Run ``python -c script *rank_args(r)`` for every rank ``r`` of ``world``, each in a process
+    group of its own, and return the JSON each printed last; a rank that fails fails the test with
+    its stderr. Every group still running at the end (one failed, others wait for it) is killed."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *rank_args(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            process_group=0,
+        )
+        for r in range(world)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-4000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                signal_group(p.pid, signal.SIGKILL)
+                p.wait()
+    return results
+
+
 #: The ``make_cluster`` fixture (conftest.py): ``WorkerCluster``'s arguments, closed after the test.
 MakeCluster = Callable[..., "WorkerCluster"]
 
