@@ -91,19 +91,7 @@ def generate(directory: Path, days: int = 30) -> Certs:
         ("apiserver", "/CN=kube-apiserver", san),
         ("admin", "/O=system:masters/CN=megatron-localcluster-admin", "extendedKeyUsage=clientAuth"),
     ):
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            subj,
-            cwd=directory,
-        )
+        _request(directory, name, subj)
         _sign(directory, c, name, ext, d)
     _openssl("genrsa", "-out", c.sa_key.name, "2048", cwd=directory)
     _openssl("rsa", "-in", c.sa_key.name, "-pubout", "-out", c.sa_pub.name, cwd=directory)
@@ -113,21 +101,17 @@ def generate(directory: Path, days: int = 30) -> Certs:
 def serving_cert(c: Certs, name: str, days: int = 30) -> tuple[Path, Path]:
     """A serving certificate for ``127.0.0.1``, signed by the cluster's CA (a webhook the API server
     calls by URL); returns the certificate's and the key's paths, in the CA's folder."""
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        "-subj",
-        f"/CN={name}",
-        cwd=c.dir,
-    )
+    _request(c.dir, name, f"/CN={name}")
     _sign(c.dir, c, name, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth", str(days))
     return c.dir / f"{name}.crt", c.dir / f"{name}.key"
+
+
+def _request(directory: Path, name: str, subject: str) -> None:
+    """A new key ``name.key`` and its signing request ``name.csr`` for ``subject``."""
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
+        cwd=directory,
+    )  # fmt: skip
 
 
 def _sign(directory: Path, c: Certs, name: str, ext: str, days: str) -> None:
