@@ -10,7 +10,8 @@ during a recovery, on the spare being promoted, around a checkpoint save, before
 checkpoint; pauses, and faults landing together), runs a job through them next to a failure-free
 twin of the same seed, and checks the invariants at the end:
 
-- the job succeeds, or ends Failed with a reason;
+- the job succeeds, or ends Failed with a reason; ``StateLost`` (no member and no checkpoint holds
+  the state) only where faults hit at least as many pods as the job has members;
 - every step of the job's final history was committed once, in one epoch, with exactly its
   global batch's samples and one loss all members agree on; steps trained again after a resume
   from a checkpoint are listed (``redone``), never silently doubled;
@@ -60,6 +61,7 @@ FAULTS = (
 PHASES = ("step", "recovery", "promotion", "save", "before_checkpoint")
 JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
 STUCK_SECONDS = 180.0  # no committed step for this long, faults or not: the job is stuck (a violation)
+REPLICAS = 2  # members of the chaos job (and its twin)
 NODE_DOWN_SECONDS = 8.0  # a NotReady node comes back after this (its pods kept running, or were failed)
 
 
@@ -281,7 +283,7 @@ def chaos_job(name: str, pool: str, samples: Path, iters: int, spares: int, chec
     }
     if checkpoint is not None:
         spec["checkpoint"] = {"path": str(checkpoint), "intervalSteps": 10, "keep": 3}
-    return tiny_job(name, pool=pool, replicas=2, spares=spares, train_iters=iters, samples=samples, **spec)
+    return tiny_job(name, pool=pool, replicas=REPLICAS, spares=spares, train_iters=iters, samples=samples, **spec)
 
 
 def read_samples(directory: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
@@ -500,6 +502,11 @@ def run(
             record["reason"] = reason
             if not reason.get("reason") or not reason.get("message"):
                 violations.append(f"the job ended {final['phase']} without a reason: {final.get('conditions')}")
+            elif reason["reason"] == "StateLost" and len(injector.victims) < REPLICAS:
+                # Every copy of the state is gone only when faults hit every member (before a checkpoint).
+                violations.append(
+                    f"the job lost its state though faults hit only {sorted(injector.victims)}: {reason['message']}"
+                )
         else:
             records, ref_records = read_samples(samples), read_samples(ref_samples)
             problems, history, redone = check_history(records, iters, GLOBAL_BATCH, injector.victims)

@@ -49,4 +49,7 @@ def test_a_short_chaos_run_keeps_every_invariant(
         (tmp_path / "operator.log").read_text(errors="replace").splitlines()[-60:]
     )
     assert len(record["injected"]) == FAULTS, summary
-    assert record["phase"] == "Succeeded", summary
+    # Faults may hit every member before the first checkpoint is complete: then no copy of the state
+    # is left and StateLost is the right end (chaos.run checks that enough pods were hit for it).
+    ended = record["phase"] == "Succeeded" or record.get("reason", {}).get("reason") == "StateLost"
+    assert ended, summary
