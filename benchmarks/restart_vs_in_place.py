@@ -149,7 +149,9 @@ def main() -> int:
             cluster.wait_steps(members, 3, timeout=600)
             if args.gpus >= 2:
                 members = peer_arm(bench, members, arms)
+                _write(args, arms)  # each arm's figures are kept even if a later arm does not end
             members = checkpoint_arm(bench, members, arms, warm=True)
+            _write(args, arms)
             members = checkpoint_arm(bench, members, arms, warm=False)
         except BaseException:
             print(cluster.logs())
@@ -167,9 +169,13 @@ def main() -> int:
             f" ({arm['caught_up_vs_cold']:.2f} x cold)",
             flush=True,
         )
+    _write(args, arms)
+    return 0
+
+
+def _write(args: argparse.Namespace, arms: list[dict[str, Any]]) -> None:
     if args.out:
         args.out.write_text(json.dumps({"arms": arms, "args": vars(args)}, indent=1, default=str))
-    return 0
 
 
 def peer_arm(bench: Bench, members: list[str], arms: list[dict[str, Any]]) -> list[str]:
