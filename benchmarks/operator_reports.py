@@ -84,8 +84,8 @@ async def serve(pods: int) -> tuple[handlers.Registry, int, object]:
     job = JobRef.of(body)
     ctl = JobController(job, body, registry.settings, registry.book, registry.pusher, pods_of=list, nodes=dict)
     ctl.token = TOKEN
-    ctl.acked_epoch = 1
-    ctl.acked = {m.pod for m in plan.members}
+    ctl.delivery.acked_epoch = 1
+    ctl.delivery.acked = {m.pod for m in plan.members}
     registry.by_uid[job.uid] = ctl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,25 +21,25 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
 
-from megatron_contract import wire
 from megatron_contract.agent import AgentReport
 from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import builders, kube, metrics, queueing, skew, suspend
+from megatron_operator import kube, metrics, queueing, skew, suspend
 from megatron_operator.builders import JobRef
-from megatron_operator.children import Backoff, Child, StartTracker, verdict
+from megatron_operator.child_keeper import ChildKeeper
+from megatron_operator.delivery import PlanDelivery
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.goodput import GoodputLedger
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import Outcome, Placement
-from megatron_operator.push import PlanPusher, PushOutcome, PushResult
+from megatron_operator.push import PlanPusher
 from megatron_operator.queueing import Gate, QueueGate, Verdict
 from megatron_operator.reconcile import AgentSignals, Assessment, assess, is_recovery, phase_of, recovery_open
 from megatron_operator.settings import OperatorSettings
@@ -58,8 +58,6 @@ from megatron_operator.token import derive_token
 
 log = logging.getLogger(__name__)
 
-EXPECTED_POD_SECONDS = 120.0  # a created pod not seen in the index by then is created again
-PUSH_BACKOFF_MAX = 30.0
 # Nodes cut off together (a partition, a control-plane outage) turn NotReady one by one over some
 # seconds, and come back one by one: a node fails its pods only after it has been NotReady for the
 # grace, and for the hold after a partition was seen node state alone fails no pod (heartbeats that
@@ -67,18 +65,6 @@ PUSH_BACKOFF_MAX = 30.0
 # costs little, and most failures are seen sooner by the trainers or the pod status.
 NODE_NOT_READY_GRACE_SECONDS = 5.0
 PARTITION_HOLD_SECONDS = 30.0
-#: A pod waiting for this reason cannot read its env: the token Secret is likely gone.
-SECRET_MISSING_WAIT = "CreateContainerConfigError"
-#: Least time between two applies of the Secret prompted by pods (not by the periodic check).
-SECRET_PROMPT_SECONDS = 2.0
-
-
-#: The reason of the CreateFailed condition and event when a kind of child cannot be applied.
-_FAILED_CREATE = {
-    Child.SECRET: Reason.FAILED_CREATE_SECRET,
-    Child.SERVICE: Reason.FAILED_CREATE_SERVICE,
-    Child.DISRUPTION_BUDGET: Reason.FAILED_CREATE_DISRUPTION_BUDGET,
-}
 
 
 def _now() -> datetime:
@@ -131,12 +117,6 @@ class JobController:
         self.wake = asyncio.Event()
         self.token: str | None = None
         self.failed: dict[str, Failure] = {}
-        self.expected: dict[str, float] = {}
-        self.retired: set[str] = set()  # surplus pods this operator deleted (not failures)
-        self.acked: set[str] = set()
-        self.acked_epoch = 0
-        self.push_due: dict[str, float] = {}
-        self.push_backoff: dict[str, float] = {}
         self.waiting = False
         self.partitioned = False
         self.partition_until = 0.0  # monotonic time until which node state alone fails no pod
@@ -148,26 +128,16 @@ class JobController:
         # A status this version cannot trust is never written and never planned from (skew.py).
         self.status, self.hold = skew.read_status(body.get("status"))
         self._announced: skew.Hold | None = None
-        self.ahead: dict[str, int] = {}  # members whose agent refused a push: it holds a newer epoch
         self._ignored_fields: list[str] = []  # spec fields this version does not know, last announced
         self.done = False
         self._labels = metrics.job_labels(job.namespace, job.name)
+        self.delivery = PlanDelivery(job, book, self._labels)
         self.goodput = GoodputLedger.resume(_created(body), self.status.goodput)
         self._goodput_written = -float("inf")  # monotonic time the status last got fresh goodput figures
         self._progress_due = -float("inf")  # monotonic time from which progress alone may be written
-        # Children (see children.py): the key the token is derived from, a backoff per kind of child,
-        # the pods created and not yet started, when the Secret and Service were last applied.
-        self.token_key = token_key
-        self.backoffs = {kind: Backoff() for kind in Child}
-        self.starts = StartTracker()
-        self.children_due = True  # set by the Service watch when the job's Service is deleted
-        self._children_checked = -float("inf")
-        self._secret_applied = -float("inf")
-        self._children_generation: int | None = None
+        self.token_key = token_key  # the job's token is derived from it (token.py)
         self.resume_started: float | None = None  # monotonic time a suspended job was asked to resume
-        # Reasons of CreateFailed that a success in this process has answered: a condition read back
-        # after a restart is cleared only by a success, not by a fresh process's empty backoffs.
-        self._resolved: set[str] = set()
+        self.children = ChildKeeper(job, settings, book, nodes, self._spec, lambda: self.token)
 
     # -- wiring ----------------------------------------------------------------------------------
 
@@ -208,17 +178,10 @@ class JobController:
                 continue
             if report.epoch > plan.epoch:
                 self.wake.set()  # the status is behind this agent: the next pass holds (skew.py)
-            elif report.epoch == plan.epoch:
-                if report.pod not in self.acked and self.acked_epoch == plan.epoch:
-                    self.acked.add(report.pod)
-                    self.wake.set()
-                if report.step is not None and self.status.committed_epoch < plan.epoch:
-                    self.wake.set()  # maybe the last member's first step: the job trains again
-            else:
-                # The agent is behind (it missed a push, or restarted): send the plan again now.
-                self.acked.discard(report.pod)
-                self.push_due[report.pod] = 0.0
-                self.wake.set()
+            elif self.delivery.reported(report.pod, report.epoch, plan):
+                self.wake.set()  # it holds the plan now, or it is behind: push again now
+            if report.epoch == plan.epoch and report.step is not None and self.status.committed_epoch < plan.epoch:
+                self.wake.set()  # maybe the last member's first step: the job trains again
         return plan.epoch if plan is not None else 0
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -257,10 +220,10 @@ class JobController:
         except (ValidationError, KeyError):
             heartbeat = self.settings.resync_seconds
         now = time.monotonic()
-        due = [t - now for t in self.push_due.values()]
+        due = self.delivery.due_in(now)
         if self.settling:
             due.append(0.25)  # listening for the first reports: look again soon
-        retries = [b.next_at - now for b in self.backoffs.values() if b.failures and b.next_at > now]
+        retries = self.children.retry_delays(now)
         retries += [
             t + NODE_NOT_READY_GRACE_SECONDS - now
             for t in self.down_since.values()
@@ -276,7 +239,7 @@ class JobController:
         # Derived, never read back: the same after a restart, and the Secret can always be recreated.
         if self.token_key is not None:
             self.token = derive_token(self.token_key, self.job.uid)
-        await self._ensure_children([], pods_wanted=False)
+        await self.children.ensure([], pods_wanted=False)
         await self._report_children()
 
     # -- a status the operator cannot trust (skew.py) ----------------------------------------------
@@ -309,7 +272,7 @@ class JobController:
             max_age = self.settings.resync_seconds
         fresh = set(self.book.fresh(self.job.uid, live, max_age, time.monotonic()))
         epochs = {pod: epoch for pod, epoch in self.book.epochs(self.job.uid).items() if pod in fresh}
-        epochs.update({pod: epoch for pod, epoch in self.ahead.items() if pod in live})
+        epochs.update(self.delivery.live_ahead(live))
         return epochs
 
     async def _announce_hold(self, hold: skew.Hold) -> None:
@@ -345,7 +308,7 @@ class JobController:
             self._post([("Normal", Reason.RECONCILE_RESUMED, message)])
         self.status = status
         self.hold = self._announced = None
-        self.ahead.clear()
+        self.delivery.ahead.clear()
         self.goodput = GoodputLedger.resume(_created(self.body), status.goodput)
 
     def _crash_point(self, name: str) -> None:
@@ -364,7 +327,9 @@ class JobController:
         generation = self.body.get("metadata", {}).get("generation")
         mono = time.monotonic()
         pods = self.pods_of()
-        self.expected = {n: t for n, t in self.expected.items() if t > mono and n not in {p.name for p in pods}}
+        self.children.expected = {
+            n: t for n, t in self.children.expected.items() if t > mono and n not in {p.name for p in pods}
+        }
         plan = self.plan
         members = [m.pod for m in plan.members] if plan is not None else []
         watched = [p.name for p in pods if p.name not in self.failed]
@@ -428,9 +393,9 @@ class JobController:
             nodes,
             signals,
             self.failed,
-            self.expected,
+            self.children.expected,
             checkpoint_step=self._checkpoint_step(),
-            retired=self.retired,
+            retired=self.children.retired,
             start_small=(plan is None and self._age_seconds() >= wait)
             or (self.resume_started is not None and mono - self.resume_started >= wait),
             settling=settling,
@@ -486,9 +451,7 @@ class JobController:
                 recovery_epoch = new_plan.epoch
             plan, fresh = new_plan, True
             self.waiting = False
-            self.acked, self.acked_epoch = set(), new_plan.epoch
-            self.push_due = {m.pod: 0.0 for m in new_plan.members}
-            self.push_backoff = {}
+            self.delivery.new_plan(new_plan)
             phase, reason = phase_of(new_plan, False, False, True)
             stale_plan = False
             # (1) The commit point: the plan is in status before any pod or agent hears of it.
@@ -532,27 +495,23 @@ class JobController:
         # (2) push the plan in force to members that do not hold it yet: the trainers wait for it,
         # nothing else does, so it goes before any pod is deleted or created.
         if plan is not None and not stale_plan:
-            if self.acked_epoch != plan.epoch:
-                # A restarted operator: it does not know who holds the plan; a second push is harmless.
-                self.acked, self.acked_epoch = set(), plan.epoch
-                self.push_due = {m.pod: 0.0 for m in plan.members}
-            self._ack_from_heartbeats(plan)
-            events.extend(await self._push(plan))
+            self.delivery.adopt(plan)
+            events.extend(await self.delivery.push(plan, self.token, self.pusher))
             if fresh:
                 self._crash_point("plan-pushed")
-            if self.ahead:  # the status is behind the agents: touch no pod (the next pass holds)
+            if self.delivery.ahead:  # the status is behind the agents: touch no pod (the next pass holds)
                 self._post(events)
                 return
 
         # (3) failed pods go; new pods come (names reserved first); labels follow the plan.
-        await self._delete(a.delete)
+        await self.children.delete(a.delete)
         if a.retire:
-            await self._retire(a.retire)
+            await self.children.retire(a.retire)
             events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
         if a.moved_off:
             # Deleted by us rather than left to the drain: the budget refuses evicting a worker, and
             # a spare's replacement should not wait for the drain's next retry.
-            await self._retire(a.moved_off)
+            await self.children.retire(a.moved_off)
             events.append(
                 ("Normal", Reason.PODS_MOVED_OFF_NODES, f"deleted {', '.join(a.moved_off)}: their nodes are draining")
             )
@@ -566,7 +525,7 @@ class JobController:
             events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
             self._crash_point("pods-created")
         if plan is not None and not stale_plan:
-            await self._sync_labels(plan, pods)
+            await self.children.sync_labels(plan, pods, self.status.committed_epoch, self.failed)
 
         # (4) status, then events. The job trains again when every member committed a step of
         # the plan in force; that, not the plan's delivery, ends a recovery.
@@ -592,12 +551,12 @@ class JobController:
                     )
                 self.detected_at = None
         trained = plan is not None and committed_epoch >= plan.epoch
-        phase, reason = phase_of(plan, trained, self.waiting, bool(pods) or bool(self.expected))
+        phase, reason = phase_of(plan, trained, self.waiting, bool(pods) or bool(self.children.expected))
         message = "" if plan is None else f"epoch {plan.epoch}, mesh {plan.mesh_label}"
         if phase is JobPhase.DEGRADED and decision is not None:
             message = decision.message
         if stale_plan:
-            phase = JobPhase.STARTING if pods or self.expected else JobPhase.PENDING
+            phase = JobPhase.STARTING if pods or self.children.expected else JobPhase.PENDING
             reason, message = Reason.RESUMING, ""
         elif a.suspension is not None and a.suspension.phase is not None:
             phase = a.suspension.phase
@@ -694,9 +653,9 @@ class JobController:
             now,
             suspended=a.suspension.condition,
         )
-        await self._delete(a.delete)
+        await self.children.delete(a.delete)
         if a.retire:
-            await self._retire(a.retire)
+            await self.children.retire(a.retire)
             events.append(("Normal", Reason.PODS_RETIRED, f"deleted {', '.join(a.retire)}: the job is suspended"))
         if events:
             log.info("%s/%s: %s", self.job.namespace, self.job.name, "; ".join(e[2] for e in events)[:500])
@@ -772,302 +731,30 @@ class JobController:
         steps = (self.book.checkpoint_step(self.job.uid), self.status.checkpoint_step)
         return max((s for s in steps if s is not None), default=None)
 
-    def _ack_from_heartbeats(self, plan: MeshPlan) -> None:
-        epochs = self.book.epochs(self.job.uid)
-        for m in plan.members:
-            if epochs.get(m.pod, 0) == plan.epoch:
-                self.acked.add(m.pod)
-
-    async def _push(self, plan: MeshPlan) -> list[tuple[str, str, str]]:
-        mono = time.monotonic()
-        due = {
-            m.pod
-            for m in plan.members
-            if m.pod not in self.acked and m.pod not in self.ahead and self.push_due.get(m.pod, 0.0) <= mono
-        }
-        if not due or self.token is None:
-            return []
-        start = time.monotonic()
-        outcomes: list[PushOutcome] = await self.pusher.push(plan, self.token, due)
-        metrics.PUSH_SECONDS.labels(**self._labels).observe(time.monotonic() - start)
-        log.info(
-            "%s/%s: pushed epoch %d to %d members in %.1f ms",
-            self.job.namespace,
-            self.job.name,
-            plan.epoch,
-            len(outcomes),
-            (time.monotonic() - start) * 1000,
-        )
-        failed = []
-        for o in outcomes:
-            if o.result.delivered:
-                self.acked.add(o.pod)
-                self.push_due.pop(o.pod, None)
-                self.push_backoff.pop(o.pod, None)
-            elif o.result is PushResult.AHEAD and o.held_epoch is not None:
-                # Never pushed again: pushing, or planning past it, would fight the job (skew.py).
-                self.ahead[o.pod] = o.held_epoch
-                self.push_due.pop(o.pod, None)
-                failed.append(o)
-            else:
-                backoff = min(PUSH_BACKOFF_MAX, self.push_backoff.get(o.pod, 0.25) * 2)
-                self.push_backoff[o.pod] = backoff
-                self.push_due[o.pod] = time.monotonic() + backoff
-                failed.append(o)
-        events: list[tuple[str, str, str]] = []
-        delivered = len(outcomes) - len(failed)
-        if delivered:
-            events.append(
-                (
-                    "Normal",
-                    Reason.PLAN_PUSHED,
-                    f"epoch {plan.epoch} pushed to {delivered} members in {time.monotonic() - start:.3f} s",
-                )
-            )
-        if failed:
-            sample = "; ".join(f"{o.pod}: {o.detail}" for o in failed[:3])
-            log.info(
-                "%s/%s: push of epoch %d failed for %d members (%s)",
-                self.job.namespace,
-                self.job.name,
-                plan.epoch,
-                len(failed),
-                sample,
-            )
-            if any(self.push_backoff.get(o.pod, 0) >= 4 for o in failed):
-                events.append(
-                    (
-                        "Warning",
-                        Reason.PLAN_PUSH_FAILED,
-                        f"epoch {plan.epoch} not delivered to {len(failed)} members: {sample}",
-                    )
-                )
-        return events
-
-    async def _retire(self, names: Sequence[str]) -> None:
-        """Delete healthy pods the job no longer needs (not failures)."""
-        self.retired.update(names)
-        # The label first: an operator restarted before the pods are gone still knows them.
-        await asyncio.gather(
-            *(
-                kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
-                for name in names
-            )
-        )
-        await self._delete((name, False) for name in names)
-
-    async def _delete(self, doomed: Iterable[tuple[str, bool]]) -> None:
-        await asyncio.gather(*(kube.delete_pod(self.job.namespace, name, force=force) for name, force in doomed))
-
     async def _create(self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts]) -> list[str]:
-        """Create what is missing: the Secret and Service when due, then ``workers + spares`` pods.
-
-        Every kind of child backs off after failures (children.py): pods that keep failing at start,
-        or creates the API server refuses, never make a tight loop; after a few failures in a row
-        the job's ``CreateFailed`` condition and an event say why. No pod is created while the token
-        Secret cannot be: it could not start without it.
-        """
-        count = workers + spares
-        now = time.monotonic()
+        """Create what is missing (child_keeper.py), then say whether the job's children fail."""
         generation = self.body.get("metadata", {}).get("generation")
-        if generation != self._children_generation:  # an edited spec may have fixed what failed
-            self._children_generation = generation
-            self.backoffs[Child.POD].succeeded()
-            self.children_due = True  # and the budget counts the workers of spec.replicas
-        await self._ensure_children(pods, pods_wanted=count > 0)
-        self._settle_starts(pods, now)
-        created: list[str] = []
-        pod_backoff = self.backoffs[Child.POD]
-        if count > 0 and pod_backoff.ready(now) and not self.backoffs[Child.SECRET].failures:
-            created = await self._create_pods(spec, workers, spares, pods)
+        created = await self.children.create(spec, workers, spares, pods, self.failed, generation, self.gate)
         await self._report_children()
         return created
 
-    async def _create_pods(self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts]) -> list[str]:
-        """Reserve serials and create the pods; a refused create counts as a failure of the pod backoff."""
-        count = workers + spares
-        now = time.monotonic()
-        floor = max([p.serial for p in pods] + [-1]) + 1
-        try:
-            start = await kube.reserve_serials(self.job.namespace, self.job.name, count, floor)
-        except Exception as exc:  # any refusal is reported the same way, then retried
-            self.backoffs[Child.POD].failed(
-                now, Reason.FAILED_CREATE_POD, f"reserving pod names on the job: {kube.error_message(exc)}"
-            )
-            log.warning("%s/%s: %s", self.job.namespace, self.job.name, self.backoffs[Child.POD].error)
-            return []
-        roles = [wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE for i in range(count)]
-        bodies = [
-            builders.build_pod(self.job, spec, serial=start + i, role=role, operator_url=self.settings.url)
-            for i, role in enumerate(roles)
-        ]
-        if self.gate is not None:  # where Kueue admitted the job: its flavors' nodes
-            bodies = [
-                queueing.with_node_selector(b, self.gate.node_selector(r)) for b, r in zip(bodies, roles, strict=True)
-            ]
-        deadline = now + EXPECTED_POD_SECONDS
-        for body in bodies:
-            self.expected[body["metadata"]["name"]] = deadline
-        results = await asyncio.gather(*(kube.create_pod(b) for b in bodies), return_exceptions=True)
-        created: list[str] = []
-        refused: list[str] = []
-        for body, result in zip(bodies, results, strict=True):
-            name = body["metadata"]["name"]
-            if isinstance(result, asyncio.CancelledError):
-                raise result
-            if isinstance(result, BaseException):
-                self.expected.pop(name, None)  # not coming: assess must ask for it again
-                refused.append(f"creating pod {name}: {kube.error_message(result)}")
-            else:
-                created.append(name)
-        self.starts.created(created, now)
-        backoff = self.backoffs[Child.POD]
-        if refused:
-            backoff.failed(now, Reason.FAILED_CREATE_POD, "; ".join(refused[:3])[:2000])
-            log.warning(
-                "%s/%s: %d of %d pod creates refused: %s",
-                self.job.namespace,
-                self.job.name,
-                len(refused),
-                count,
-                refused[0],
-            )
-        else:
-            self._resolved.add(Reason.FAILED_CREATE_POD)
-            if backoff.reason == Reason.FAILED_CREATE_POD:
-                backoff.succeeded()  # the API server takes our pods again (a failed start is judged later)
-        return created
-
-    def _settle_starts(self, pods: list[PodFacts], now: float) -> None:
-        """Pods created here that failed soon count against the pod backoff; one that started resets it."""
-        reported = {p.name for p in pods if self.book.last(self.job.uid, p.name) is not None}
-        outcome = self.starts.observe(pods, self.failed, self.retired, self.nodes(), now, reported)
-        backoff = self.backoffs[Child.POD]
-        if outcome.started:
-            backoff.succeeded()
-            self._resolved.update((Reason.FAILED_CREATE_POD, Reason.PODS_FAIL_AT_START))
-        for message in outcome.messages:
-            backoff.failed(now, Reason.PODS_FAIL_AT_START, message)
-        if outcome.failed and backoff.failures > 1:
-            log.warning(
-                "%s/%s: %d created pods in a row failed at start; next create in %.1f s (%s)",
-                self.job.namespace,
-                self.job.name,
-                backoff.failures,
-                max(0.0, backoff.next_at - now),
-                outcome.messages[-1],
-            )
-
-    async def _ensure_children(self, pods: list[PodFacts], *, pods_wanted: bool) -> None:
-        """Apply the token Secret, the Service and the workers' PodDisruptionBudget when due; never
-        raises (failures back off instead).
-
-        The Service and the budget are applied when the watch saw them deleted and periodically; the
-        Secret (which the operator may not watch) periodically, before pods are created, and when a
-        pod cannot start for want of it. An apply of an unchanged child changes nothing.
-        """
-        now = time.monotonic()
-        periodic = now - self._children_checked >= self.settings.children_check_seconds
-        if periodic:
-            self._children_checked = now
-        # Pods stuck for want of the Secret prompt an apply on every pass: throttled.
-        stuck = any(p.waiting == SECRET_MISSING_WAIT for p in pods)
-        wanted = {
-            Child.SECRET: periodic
-            or self.children_due
-            or pods_wanted
-            or (stuck and now - self._secret_applied >= SECRET_PROMPT_SECONDS),
-            Child.SERVICE: periodic or self.children_due,
-            Child.DISRUPTION_BUDGET: self.settings.disruption_budgets and (periodic or self.children_due),
-        }
-        self.children_due = False
-        apply = {
-            Child.SECRET: self._apply_secret,
-            Child.SERVICE: self._apply_service,
-            Child.DISRUPTION_BUDGET: self._apply_disruption_budget,
-        }
-        if not self.settings.disruption_budgets:
-            del apply[Child.DISRUPTION_BUDGET]
-        go = [k for k in apply if (wanted[k] or self.backoffs[k].failures) and self.backoffs[k].ready(now)]
-        if not go:
-            return
-        results = await asyncio.gather(*(apply[kind]() for kind in go), return_exceptions=True)
-        for kind, result in zip(go, results, strict=True):
-            if isinstance(result, asyncio.CancelledError):
-                raise result
-            backoff = self.backoffs[kind]
-            if isinstance(result, BaseException):
-                backoff.failed(now, _FAILED_CREATE[kind], f"applying {kind.value}: {kube.error_message(result)}")
-                log.warning(
-                    "%s/%s: %s (failure %d in a row)",
-                    self.job.namespace,
-                    self.job.name,
-                    backoff.error,
-                    backoff.failures,
-                )
-            else:
-                backoff.succeeded()
-                self._resolved.add(_FAILED_CREATE[kind])
-
-    async def _apply_secret(self) -> None:
-        if self.token is None:
-            raise RuntimeError("the operator has no token key, so the job has no token")
-        await kube.apply_secret(builders.build_secret(self.job, self.token))
-        self._secret_applied = time.monotonic()
-
-    async def _apply_service(self) -> None:
-        await kube.apply_service(builders.build_service(self.job))
-
-    async def _apply_disruption_budget(self) -> None:
-        spec = self._spec()
-        await kube.apply_disruption_budget(builders.build_disruption_budget(self.job, spec))
-
     async def _report_children(self) -> None:
         """Write the ``CreateFailed`` condition when it changes, and say why in an event."""
-        v = verdict(self.backoffs, Reason.CHILDREN_CREATED)
-        old = condition(self.status, ConditionType.CREATE_FAILED)
-        if not v.failing and (old is None or old.status == "False" or old.reason not in self._resolved):
+        change = self.children.create_failed(self.status)
+        if change is None:
             return
-        if (
-            v.failing
-            and old is not None
-            and old.status == "True"
-            and (old.reason, old.message) == (v.reason, v.message)
-        ):
-            return
+        failing, reason, message = change
         generation = self.body.get("metadata", {}).get("generation")
         conditions = set_condition(
-            self.status.conditions, ConditionType.CREATE_FAILED, v.failing, v.reason, v.message, _now(), generation
+            self.status.conditions, ConditionType.CREATE_FAILED, failing, reason, message, _now(), generation
         )
         new = self.status.model_copy(update={"conditions": sorted(conditions, key=lambda c: c.type)})
         await kube.write_status(self.job.namespace, self.job.name, status_body(new))
         self.status = new
-        if v.failing:
-            self._post([("Warning", v.reason, v.message)])
+        if failing:
+            self._post([("Warning", reason, message)])
         else:
             self._post([("Normal", Reason.CHILDREN_CREATED, "every child of the job is created again")])
-
-    async def _sync_labels(self, plan: MeshPlan, pods: list[PodFacts]) -> None:
-        if plan.reason is PlanReason.MIGRATE and self.status.committed_epoch < plan.epoch:
-            # Until the new mesh trains, the leaving members train on up to the plan's step
-            # boundary: their worker label keeps them under the PodDisruptionBudget, or a drain's
-            # eviction would kill one mid-way (a step its peers commit and it does not).
-            return
-        replica_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
-        patches = []
-        for p in pods:
-            if p.deleting or p.name in self.failed or p.name in self.retired or p.role == wire.ROLE_RETIRED:
-                continue
-            role = wire.ROLE_WORKER if p.name in replica_of else wire.ROLE_SPARE
-            replica = str(replica_of[p.name]) if p.name in replica_of else None
-            if p.role != role or p.replica != replica:
-                patches.append(
-                    kube.patch_pod_labels(
-                        self.job.namespace, p.name, builders.role_labels(role, replica_of.get(p.name))
-                    )
-                )
-        if patches:
-            await asyncio.gather(*patches)
 
     async def _write_status(
         self,
@@ -1185,7 +872,7 @@ class JobController:
             kind = "Warning" if a.terminal.phase is JobPhase.FAILED else "Normal"
             self._post([(kind, a.terminal.reason, a.terminal.message)])
             log.warning("%s/%s: %s (%s)", self.job.namespace, self.job.name, a.terminal.phase.value, a.terminal.message)
-        await self._delete(a.delete)
+        await self.children.delete(a.delete)
         if not a.delete:
             self.done = True
 

@@ -88,7 +88,7 @@ class Registry:
         """A child of the job was deleted: have its controller apply its children again now."""
         ctl = self.by_key.get((namespace, name))
         if ctl is not None:
-            ctl.children_due = True
+            ctl.children.due = True
             ctl.wake.set()
 
     def wake_all(self) -> None:

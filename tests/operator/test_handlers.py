@@ -32,7 +32,7 @@ def _registry_with_job() -> tuple[handlers.Registry, JobController]:
     job = JobRef.of(body)
     ctl = JobController(job, body, registry.settings, registry.book, registry.pusher, pods_of=list, nodes=dict)
     ctl.token = "tok"
-    ctl.acked_epoch = 1
+    ctl.delivery.acked_epoch = 1
     registry.by_uid[job.uid] = ctl
     registry.by_key[(job.namespace, job.name)] = ctl
     return registry, ctl
@@ -54,15 +54,15 @@ def test_reports_route_to_the_controller() -> None:
     registry, ctl = _registry_with_job()
     assert registry.token_for(JOB_UID) == "tok" and registry.token_for("other") is None
     assert registry.accept_reports(JOB_UID, [_report("p0", 1)]) == 1
-    assert ctl.acked == {"p0"} and ctl.wake.is_set()
+    assert ctl.delivery.acked == {"p0"} and ctl.wake.is_set()
     assert registry.book.last(JOB_UID, "p0") is not None
 
 
 def test_older_epoch_schedules_a_push_now() -> None:
     registry, ctl = _registry_with_job()
-    ctl.acked = {"p0", "p1"}
+    ctl.delivery.acked = {"p0", "p1"}
     registry.accept_reports(JOB_UID, [_report("p1", 0)])
-    assert ctl.acked == {"p0"} and ctl.push_due["p1"] == 0.0 and ctl.wake.is_set()
+    assert ctl.delivery.acked == {"p0"} and ctl.delivery.push_due["p1"] == 0.0 and ctl.wake.is_set()
 
 
 def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
@@ -71,7 +71,7 @@ def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
         _report("spare-9", 0, healthy=False),
     ):
         registry, ctl = _registry_with_job()
-        ctl.acked = {"p0", "p1"}
+        ctl.delivery.acked = {"p0", "p1"}
         registry.accept_reports(JOB_UID, [report])
         assert ctl.wake.is_set()
 
@@ -90,13 +90,13 @@ def test_pod_events_wake_only_their_job() -> None:
 
 def test_a_deleted_service_has_its_job_apply_its_children_now() -> None:
     registry, ctl = _registry_with_job()
-    ctl.children_due = False
+    ctl.children.due = False
     handlers.REGISTRY, saved = registry, handlers.REGISTRY
     try:
         handlers.service_event(type="MODIFIED", namespace="ns", labels={wire.LABEL_JOB: "job"})
         handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "other"})
-        assert not ctl.children_due and not ctl.wake.is_set()
+        assert not ctl.children.due and not ctl.wake.is_set()
         handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "job"})
-        assert ctl.children_due and ctl.wake.is_set()
+        assert ctl.children.due and ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved

@@ -181,9 +181,9 @@ def test_agents_ahead_of_the_status_are_not_fought(monkeypatch: pytest.MonkeyPat
 async def _ahead_in_heartbeats(ctl: JobController, fake: FakeKube, book: HeartbeatBook) -> None:
     # A report of a newer epoch is no acknowledgement of the plan in force.
     book.record(_report("p0", 3), time.monotonic())
-    ctl.acked_epoch = 1
+    ctl.delivery.acked_epoch = 1
     ctl.accept_reports([_report("p0", 3)])
-    assert "p0" not in ctl.acked and ctl.wake.is_set()
+    assert "p0" not in ctl.delivery.acked and ctl.wake.is_set()
     ctl.settling = False
     await ctl.reconcile_once()  # a pass already under way when the report came: it stops before planning
     assert ctl.hold is not None and not fake.named(*POD_CHANGES, "write_status")
@@ -211,11 +211,11 @@ def test_a_push_refused_by_an_agent_holding_a_newer_epoch_stops_the_pass(monkeyp
     async def scenario() -> None:
         await ctl.reconcile_once()
         assert pusher.pushed == [(2, {"p0", "p1"})]
-        assert ctl.acked == {"p0"} and ctl.ahead == {"p1": 5}
+        assert ctl.delivery.acked == {"p0"} and ctl.delivery.ahead == {"p1": 5}
         assert not fake.named(*POD_CHANGES)
         assert await ctl._held()
         assert ctl.hold is not None and ctl.hold.reason == Reason.STATUS_BEHIND_AGENTS
-        await ctl._push(ctl.plan)  # type: ignore[arg-type]
+        await ctl.delivery.push(ctl.plan, ctl.token, ctl.pusher)  # type: ignore[arg-type]
         assert len(pusher.pushed) == 1  # never pushed to it again
 
     asyncio.run(scenario())

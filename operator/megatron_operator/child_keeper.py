@@ -1,0 +1,295 @@
+"""The job's children as API calls: the token Secret, the Service, the workers' PodDisruptionBudget
+and the pods, created, relabelled and deleted for one job's controller.
+
+:mod:`children` decides (backoffs, failed starts, the ``CreateFailed`` verdict) without a clock or
+the API; this module carries those decisions out and remembers what it did: pods on their way
+(``expected``), surplus pods it deleted (``retired``, not failures), when each child was last
+applied. It never raises for a refused call: every kind of child backs off instead, and
+:meth:`ChildKeeper.create_failed` says when the job's condition must change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from megatron_contract import wire
+from megatron_contract.job import ConditionType, MegatronJobSpec, MegatronJobStatus
+from megatron_contract.mesh import MeshPlan, PlanReason
+from megatron_operator import builders, kube, queueing
+from megatron_operator.builders import JobRef
+from megatron_operator.children import Backoff, Child, StartTracker, verdict
+from megatron_operator.failures import Failure, PodFacts
+from megatron_operator.heartbeats import HeartbeatBook
+from megatron_operator.queueing import Gate
+from megatron_operator.settings import OperatorSettings
+from megatron_operator.status import Reason, condition
+
+log = logging.getLogger(__name__)
+
+EXPECTED_POD_SECONDS = 120.0  # a created pod not seen in the index by then is created again
+#: A pod waiting for this reason cannot read its env: the token Secret is likely gone.
+SECRET_MISSING_WAIT = "CreateContainerConfigError"
+#: Least time between two applies of the Secret prompted by pods (not by the periodic check).
+SECRET_PROMPT_SECONDS = 2.0
+
+#: The reason of the CreateFailed condition and event when a kind of child cannot be applied.
+_FAILED_CREATE = {
+    Child.SECRET: Reason.FAILED_CREATE_SECRET,
+    Child.SERVICE: Reason.FAILED_CREATE_SERVICE,
+    Child.DISRUPTION_BUDGET: Reason.FAILED_CREATE_DISRUPTION_BUDGET,
+}
+
+
+class ChildKeeper:
+    """Creates, applies, relabels and deletes one job's children, backing off per kind of child."""
+
+    def __init__(
+        self,
+        job: JobRef,
+        settings: OperatorSettings,
+        book: HeartbeatBook,
+        nodes: Callable[[], dict[str, str]],
+        spec_of: Callable[[], MegatronJobSpec],
+        token_of: Callable[[], str | None],
+    ) -> None:
+        self.job = job
+        self.settings = settings
+        self.book = book
+        self.nodes = nodes
+        self.spec_of = spec_of  # read when the budget is applied: it counts spec.replicas
+        self.token_of = token_of
+        self.expected: dict[str, float] = {}  # pods created and not yet in the index -> until when
+        self.retired: set[str] = set()  # surplus pods this operator deleted (not failures)
+        self.backoffs = {kind: Backoff() for kind in Child}
+        self.starts = StartTracker()
+        self.due = True  # set by the Service watch when the job's Service is deleted
+        self._checked = -float("inf")
+        self._secret_applied = -float("inf")
+        self._generation: int | None = None
+        # Reasons of CreateFailed that a success in this process has answered: a condition read back
+        # after a restart is cleared only by a success, not by a fresh process's empty backoffs.
+        self._resolved: set[str] = set()
+
+    def _log(self, message: str, *args: object) -> None:
+        log.warning("%s/%s: " + message, self.job.namespace, self.job.name, *args)
+
+    def retry_delays(self, now: float) -> list[float]:
+        """Seconds until each child that failed may be tried again."""
+        return [b.next_at - now for b in self.backoffs.values() if b.failures and b.next_at > now]
+
+    # -- pods --------------------------------------------------------------------------------------
+
+    async def retire(self, names: Sequence[str]) -> None:
+        """Delete healthy pods the job no longer needs (not failures)."""
+        self.retired.update(names)
+        # The label first: an operator restarted before the pods are gone still knows them.
+        await asyncio.gather(
+            *(
+                kube.patch_pod_labels(self.job.namespace, name, builders.role_labels(wire.ROLE_RETIRED, None))
+                for name in names
+            )
+        )
+        await self.delete((name, False) for name in names)
+
+    async def delete(self, doomed: Iterable[tuple[str, bool]]) -> None:
+        """Delete pods (name, force)."""
+        await asyncio.gather(*(kube.delete_pod(self.job.namespace, name, force=force) for name, force in doomed))
+
+    async def create(
+        self,
+        spec: MegatronJobSpec,
+        workers: int,
+        spares: int,
+        pods: list[PodFacts],
+        failed: Mapping[str, Failure],
+        generation: int | None,
+        gate: Gate | None,
+    ) -> list[str]:
+        """Create what is missing: the Secret and Service when due, then ``workers + spares`` pods.
+
+        Every kind of child backs off after failures (children.py): pods that keep failing at start,
+        or creates the API server refuses, never make a tight loop; after a few failures in a row
+        :meth:`create_failed` says why. No pod is created while the token Secret cannot be: it could
+        not start without it.
+        """
+        count = workers + spares
+        now = time.monotonic()
+        if generation != self._generation:  # an edited spec may have fixed what failed
+            self._generation = generation
+            self.backoffs[Child.POD].succeeded()
+            self.due = True  # and the budget counts the workers of spec.replicas
+        await self.ensure(pods, pods_wanted=count > 0)
+        self._settle_starts(pods, failed, now)
+        if count > 0 and self.backoffs[Child.POD].ready(now) and not self.backoffs[Child.SECRET].failures:
+            return await self._create_pods(spec, workers, spares, pods, gate)
+        return []
+
+    async def _create_pods(
+        self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts], gate: Gate | None
+    ) -> list[str]:
+        """Reserve serials and create the pods; a refused create counts as a failure of the pod backoff."""
+        count = workers + spares
+        now = time.monotonic()
+        backoff = self.backoffs[Child.POD]
+        floor = max([p.serial for p in pods] + [-1]) + 1
+        try:
+            start = await kube.reserve_serials(self.job.namespace, self.job.name, count, floor)
+        except Exception as exc:  # any refusal is reported the same way, then retried
+            backoff.failed(now, Reason.FAILED_CREATE_POD, f"reserving pod names on the job: {kube.error_message(exc)}")
+            self._log("%s", backoff.error)
+            return []
+        roles = [wire.ROLE_WORKER if i < workers else wire.ROLE_SPARE for i in range(count)]
+        bodies = [
+            builders.build_pod(self.job, spec, serial=start + i, role=role, operator_url=self.settings.url)
+            for i, role in enumerate(roles)
+        ]
+        if gate is not None:  # where Kueue admitted the job: its flavors' nodes
+            bodies = [queueing.with_node_selector(b, gate.node_selector(r)) for b, r in zip(bodies, roles, strict=True)]
+        deadline = now + EXPECTED_POD_SECONDS
+        for body in bodies:
+            self.expected[body["metadata"]["name"]] = deadline
+        results = await asyncio.gather(*(kube.create_pod(b) for b in bodies), return_exceptions=True)
+        created: list[str] = []
+        refused: list[str] = []
+        for body, result in zip(bodies, results, strict=True):
+            name = body["metadata"]["name"]
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self.expected.pop(name, None)  # not coming: assess must ask for it again
+                refused.append(f"creating pod {name}: {kube.error_message(result)}")
+            else:
+                created.append(name)
+        self.starts.created(created, now)
+        if refused:
+            backoff.failed(now, Reason.FAILED_CREATE_POD, "; ".join(refused[:3])[:2000])
+            self._log("%d of %d pod creates refused: %s", len(refused), count, refused[0])
+        else:
+            self._resolved.add(Reason.FAILED_CREATE_POD)
+            if backoff.reason == Reason.FAILED_CREATE_POD:
+                backoff.succeeded()  # the API server takes our pods again (a failed start is judged later)
+        return created
+
+    def _settle_starts(self, pods: list[PodFacts], failed: Mapping[str, Failure], now: float) -> None:
+        """Pods created here that failed soon count against the pod backoff; one that started resets it."""
+        reported = {p.name for p in pods if self.book.last(self.job.uid, p.name) is not None}
+        outcome = self.starts.observe(pods, failed, self.retired, self.nodes(), now, reported)
+        backoff = self.backoffs[Child.POD]
+        if outcome.started:
+            backoff.succeeded()
+            self._resolved.update((Reason.FAILED_CREATE_POD, Reason.PODS_FAIL_AT_START))
+        for message in outcome.messages:
+            backoff.failed(now, Reason.PODS_FAIL_AT_START, message)
+        if outcome.failed and backoff.failures > 1:
+            self._log(
+                "%d created pods in a row failed at start; next create in %.1f s (%s)",
+                backoff.failures,
+                max(0.0, backoff.next_at - now),
+                outcome.messages[-1],
+            )
+
+    async def sync_labels(
+        self, plan: MeshPlan, pods: list[PodFacts], committed_epoch: int, failed: Mapping[str, Failure]
+    ) -> None:
+        """Role and replica labels follow the plan in force."""
+        if plan.reason is PlanReason.MIGRATE and committed_epoch < plan.epoch:
+            # Until the new mesh trains, the leaving members train on up to the plan's step
+            # boundary: their worker label keeps them under the PodDisruptionBudget, or a drain's
+            # eviction would kill one mid-way (a step its peers commit and it does not).
+            return
+        replica_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
+        patches = []
+        for p in pods:
+            if p.deleting or p.name in failed or p.name in self.retired or p.role == wire.ROLE_RETIRED:
+                continue
+            role = wire.ROLE_WORKER if p.name in replica_of else wire.ROLE_SPARE
+            replica = str(replica_of[p.name]) if p.name in replica_of else None
+            if p.role != role or p.replica != replica:
+                patches.append(
+                    kube.patch_pod_labels(
+                        self.job.namespace, p.name, builders.role_labels(role, replica_of.get(p.name))
+                    )
+                )
+        if patches:
+            await asyncio.gather(*patches)
+
+    # -- Secret, Service, budget -------------------------------------------------------------------
+
+    async def ensure(self, pods: list[PodFacts], *, pods_wanted: bool) -> None:
+        """Apply the token Secret, the Service and the workers' PodDisruptionBudget when due; never
+        raises (failures back off instead).
+
+        The Service and the budget are applied when the watch saw them deleted and periodically; the
+        Secret (which the operator may not watch) periodically, before pods are created, and when a
+        pod cannot start for want of it. An apply of an unchanged child changes nothing.
+        """
+        now = time.monotonic()
+        periodic = now - self._checked >= self.settings.children_check_seconds
+        if periodic:
+            self._checked = now
+        # Pods stuck for want of the Secret prompt an apply on every pass: throttled.
+        stuck = any(p.waiting == SECRET_MISSING_WAIT for p in pods)
+        wanted = {
+            Child.SECRET: periodic
+            or self.due
+            or pods_wanted
+            or (stuck and now - self._secret_applied >= SECRET_PROMPT_SECONDS),
+            Child.SERVICE: periodic or self.due,
+            Child.DISRUPTION_BUDGET: self.settings.disruption_budgets and (periodic or self.due),
+        }
+        self.due = False
+        apply = {
+            Child.SECRET: self._apply_secret,
+            Child.SERVICE: self._apply_service,
+            Child.DISRUPTION_BUDGET: self._apply_disruption_budget,
+        }
+        if not self.settings.disruption_budgets:
+            del apply[Child.DISRUPTION_BUDGET]
+        go = [k for k in apply if (wanted[k] or self.backoffs[k].failures) and self.backoffs[k].ready(now)]
+        if not go:
+            return
+        results = await asyncio.gather(*(apply[kind]() for kind in go), return_exceptions=True)
+        for kind, result in zip(go, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            backoff = self.backoffs[kind]
+            if isinstance(result, BaseException):
+                backoff.failed(now, _FAILED_CREATE[kind], f"applying {kind.value}: {kube.error_message(result)}")
+                self._log("%s (failure %d in a row)", backoff.error, backoff.failures)
+            else:
+                backoff.succeeded()
+                self._resolved.add(_FAILED_CREATE[kind])
+
+    async def _apply_secret(self) -> None:
+        token = self.token_of()
+        if token is None:
+            raise RuntimeError("the operator has no token key, so the job has no token")
+        await kube.apply_secret(builders.build_secret(self.job, token))
+        self._secret_applied = time.monotonic()
+
+    async def _apply_service(self) -> None:
+        await kube.apply_service(builders.build_service(self.job))
+
+    async def _apply_disruption_budget(self) -> None:
+        await kube.apply_disruption_budget(builders.build_disruption_budget(self.job, self.spec_of()))
+
+    # -- what to tell the user ---------------------------------------------------------------------
+
+    def create_failed(self, status: MegatronJobStatus) -> tuple[bool, str, str] | None:
+        """The ``CreateFailed`` condition to write (failing, reason, message), or None when the one
+        in ``status`` still holds."""
+        v = verdict(self.backoffs, Reason.CHILDREN_CREATED)
+        old = condition(status, ConditionType.CREATE_FAILED)
+        if not v.failing and (old is None or old.status == "False" or old.reason not in self._resolved):
+            return None
+        if (
+            v.failing
+            and old is not None
+            and old.status == "True"
+            and (old.reason, old.message) == (v.reason, v.message)
+        ):
+            return None
+        return v.failing, v.reason, v.message
