@@ -80,6 +80,29 @@ def _created(body: Any) -> float:
         return time.time()
 
 
+@dataclasses.dataclass
+class _Pass:
+    """What one reconcile pass knows, and what it has decided so far."""
+
+    spec: MegatronJobSpec
+    generation: int | None
+    mono: float  # when the pass began
+    pods: list[PodFacts]
+    plan: MeshPlan | None  # the plan in force: a new one once this pass made it
+    now: datetime = dataclasses.field(default_factory=lambda: _now())
+    assessed: float = 0.0  # monotonic time the assessment was made
+    fresh: bool = False  # the plan was made in this pass
+    stale_plan: bool = False  # a resumed job's plan names pods long gone: push it to nobody
+    events: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    last_failure: FailureRecord | None = None
+    recoveries: int = 0
+    recovery_epoch: int = 0
+    members: list[str] = dataclasses.field(init=False)  # of the plan in force when the pass began
+
+    def __post_init__(self) -> None:
+        self.members = [m.pod for m in self.plan.members] if self.plan is not None else []
+
+
 class JobController:
     """The in-memory side of one job: its token, failures seen, pods on their way, acknowledgements."""
 
@@ -324,31 +347,69 @@ class JobController:
         except ValidationError as exc:
             await self._fail_invalid(exc)
             return
-        generation = self.body.get("metadata", {}).get("generation")
-        mono = time.monotonic()
-        pods = self.pods_of()
+        p = _Pass(spec, self.body.get("metadata", {}).get("generation"), time.monotonic(), self.pods_of(), self.plan)
+        p.last_failure, p.recoveries, p.recovery_epoch = (
+            self.status.last_failure,
+            self.status.recoveries,
+            self.status.recovery_epoch,
+        )
+        signals = self._observe(p)
+        # Reports may have come since the pass began (a restarted operator hears its first ones
+        # now): a status behind the agents is caught before anything is planned from it (skew.py).
+        hold = skew.behind_agents(self._agent_epochs(), self.status.epoch)
+        if hold is not None:
+            self.hold = hold
+            await self._announce_hold(hold)
+            return
+        self.gate = await self.queue.gate(self.body, spec)
+        await self._note_queue(self.gate, p.generation)
+        a = self._assess(p, signals)
+        if a.terminal is not None:
+            await self._terminate(a, spec, p.generation, p.now)
+            return
+        if self.gate is not None and self.gate.verdict is Verdict.EVICTED:
+            a = await self._yield_to_queue(a, spec, p.pods, p.now)
+        if a.suspension is not None and a.suspension.stage in (Stage.STOP, Stage.STOPPED):
+            await self._stop(a, spec, p.generation, p.now)
+            return
+        # A suspended job being resumed: the plan in force names pods long gone, told nothing.
+        p.stale_plan = a.suspension is not None and a.suspension.stage is Stage.RESUME and suspend.stopped(self.status)
+        p.events = [("Warning", f.reason.value, f.message) for f in a.failures]
+        p.events.extend(self._note_doubts(a))
+        p.events.extend(self._suspension_events(a))  # before any status write changes the condition
+        if a.failures:
+            f = a.failures[-1]
+            p.last_failure = FailureRecord(pod=f.pod, reason=f.reason.value, message=f.message, time=p.now)
+        await self._commit_plan(a, p)
+        if p.plan is not None and not p.stale_plan and not await self._deliver(p):
+            self._post(p.events)
+            return
+        await self._change_pods(a, p)
+        await self._settle(a, p)
+
+    def _observe(self, p: _Pass) -> AgentSignals:
+        """What the agents' reports say about the pods this pass sees; whether the controller still
+        waits to hear from every running pod."""
         self.children.expected = {
-            n: t for n, t in self.children.expected.items() if t > mono and n not in {p.name for p in pods}
+            n: t for n, t in self.children.expected.items() if t > p.mono and n not in {q.name for q in p.pods}
         }
-        plan = self.plan
-        members = [m.pod for m in plan.members] if plan is not None else []
-        watched = [p.name for p in pods if p.name not in self.failed]
-        fd = spec.failure_detection
+        watched = [q.name for q in p.pods if q.name not in self.failed]
+        fd = p.spec.failure_detection
+        uid, mono, plan, members = self.job.uid, p.mono, p.plan, p.members
         fresh_age = min(fd.heartbeat_timeout_seconds, max(3 * fd.heartbeat_interval_seconds, 1.0))
-        reporting = self.book.fresh(self.job.uid, watched, fresh_age, mono)
         signals = AgentSignals(
-            silent=self.book.missing(self.job.uid, watched, fd.heartbeat_timeout_seconds, mono),
-            unhealthy=self.book.self_reported_failed(self.job.uid, watched),
-            accusations=self.book.accusations(self.job.uid, plan.epoch) if plan is not None else (),
-            completed_step=self.book.completed_step(self.job.uid, members),
-            step_seconds=self.book.step_seconds(self.job.uid, members),
-            all_succeeded=self.book.succeeded(self.job.uid, members),
-            warm=self.book.warm(self.job.uid, watched, fresh_age, mono),
-            fresh=reporting,
-            quiet=set(watched) - set(self.book.fresh(self.job.uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),
-            checkpoint_unusable=self.book.checkpoint_unusable(self.job.uid),
+            silent=self.book.missing(uid, watched, fd.heartbeat_timeout_seconds, mono),
+            unhealthy=self.book.self_reported_failed(uid, watched),
+            accusations=self.book.accusations(uid, plan.epoch) if plan is not None else (),
+            completed_step=self.book.completed_step(uid, members),
+            step_seconds=self.book.step_seconds(uid, members),
+            all_succeeded=self.book.succeeded(uid, members),
+            warm=self.book.warm(uid, watched, fresh_age, mono),
+            fresh=self.book.fresh(uid, watched, fresh_age, mono),
+            quiet=set(watched) - set(self.book.fresh(uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),
+            checkpoint_unusable=self.book.checkpoint_unusable(uid),
             suspend_outcome=(
-                self.book.suspend_outcome(self.job.uid, members, plan.epoch)
+                self.book.suspend_outcome(uid, members, plan.epoch)
                 if plan is not None and plan.reason is PlanReason.SUSPEND
                 else (None, None)
             ),
@@ -356,7 +417,7 @@ class JobController:
         # A restarted operator has heard from nobody: the first heartbeat intervals, it waits for
         # the running pods' reports before planning around them.
         settling = mono - self.started < fresh_age and any(
-            self.book.last(self.job.uid, p.name) is None for p in pods if p.phase == "Running" and not p.deleting
+            self.book.last(uid, q.name) is None for q in p.pods if q.phase == "Running" and not q.deleting
         )
         if self.settling and not settling:
             log.info(
@@ -366,19 +427,15 @@ class JobController:
                 fresh_age,
             )
         self.settling = settling
-        # Reports may have come since the pass began (a restarted operator hears its first ones
-        # now): a status behind the agents is caught before anything is planned from it (skew.py).
-        hold = skew.behind_agents(self._agent_epochs(), self.status.epoch)
-        if hold is not None:
-            self.hold = hold
-            await self._announce_hold(hold)
-            return
-        self.gate = await self.queue.gate(self.body, spec)
-        await self._note_queue(self.gate, generation)
+        return signals
+
+    def _assess(self, p: _Pass, signals: AgentSignals) -> Assessment:
+        """Decide (reconcile.assess), and note the failures it found."""
+        spec, mono = p.spec, p.mono
         nodes = self.nodes()
-        self._place(spec, pods, members)
+        self._place(spec, p.pods, p.members)
         request = self.suspend_request(spec)
-        now = _now()
+        p.now = _now()
         resuming = request is None and suspend.stopped(self.status)
         if not resuming:
             self.resume_started = None
@@ -389,30 +446,30 @@ class JobController:
             spec,
             self.job.uid,
             self.status,
-            pods,
+            p.pods,
             nodes,
             signals,
             self.failed,
             self.children.expected,
             checkpoint_step=self._checkpoint_step(),
             retired=self.children.retired,
-            start_small=(plan is None and self._age_seconds() >= wait)
+            start_small=(p.plan is None and self._age_seconds() >= wait)
             or (self.resume_started is not None and mono - self.resume_started >= wait),
-            settling=settling,
+            settling=self.settling,
             partition_hold=mono < self.partition_until,
             recently_down=self._recently_down(nodes, mono),
             placement=self.placement,
             draining=self.draining(),
             suspend=request,
-            now=now,
+            now=p.now,
         )
         if a.partition is not None:
             self.partition_until = mono + PARTITION_HOLD_SECONDS
-        assessed = time.monotonic()
+        p.assessed = time.monotonic()
         for failure in a.failures:
             self.failed[failure.pod] = failure
             metrics.FAILURES.labels(**self._labels, reason=failure.reason.value).inc()
-            if plan is not None and self.detected_at is None and failure.pod in members:
+            if p.plan is not None and self.detected_at is None and failure.pod in p.members:
                 self.detected_at = mono
                 self.goodput.failure_declared(time.time())
         if a.failures:
@@ -422,113 +479,98 @@ class JobController:
                 self.job.name,
                 "; ".join(f"{f.pod} ({f.reason.value})" for f in a.failures),
             )
+        return a
 
-        if a.terminal is not None:
-            await self._terminate(a, spec, generation, now)
-            return
-        if self.gate is not None and self.gate.verdict is Verdict.EVICTED:
-            a = await self._yield_to_queue(a, spec, pods, now)
-        if a.suspension is not None and a.suspension.stage in (Stage.STOP, Stage.STOPPED):
-            await self._stop(a, spec, generation, now)
-            return
-        # A suspended job being resumed: the plan in force names pods long gone, told nothing.
-        stale_plan = a.suspension is not None and a.suspension.stage is Stage.RESUME and suspend.stopped(self.status)
-
-        events: list[tuple[str, str, str]] = [("Warning", f.reason.value, f.message) for f in a.failures]
-        events.extend(self._note_doubts(a))
-        events.extend(self._suspension_events(a))  # before any status write changes the condition
-        last_failure = self.status.last_failure
-        if a.failures:
-            f = a.failures[-1]
-            last_failure = FailureRecord(pod=f.pod, reason=f.reason.value, message=f.message, time=now)
+    async def _commit_plan(self, a: Assessment, p: _Pass) -> None:
+        """(1) The commit point: a new plan is in status before any pod or agent hears of it."""
         decision = a.decision
-        recoveries, recovery_epoch = self.status.recoveries, self.status.recovery_epoch
-        fresh = False  # a plan made in this pass
-        if decision is not None and decision.outcome is Outcome.NEW_PLAN and decision.plan is not None:
-            new_plan = decision.plan.model_copy(update={"created_at": now})
-            if is_recovery(new_plan) and not recovery_open(self.status):
-                recoveries += 1  # a new incident; plans made while one is under way belong to it
-                recovery_epoch = new_plan.epoch
-            plan, fresh = new_plan, True
-            self.waiting = False
-            self.delivery.new_plan(new_plan)
-            phase, reason = phase_of(new_plan, False, False, True)
-            stale_plan = False
-            # (1) The commit point: the plan is in status before any pod or agent hears of it.
-            await self._write_status(
-                spec,
-                a,
-                plan,
-                phase,
-                reason,
-                decision.message,
-                recoveries,
-                last_failure,
-                generation,
-                now,
-                force=True,
-                recovery_epoch=recovery_epoch,
-                suspended=a.suspension.condition if a.suspension is not None else None,
-            )
-            metrics.PLANS.labels(**self._labels, reason=new_plan.reason.value).inc()
-            events.append(("Normal", Reason.PLAN_CREATED, f"epoch {new_plan.epoch}: {decision.message}"))
-            for name in decision.promoted:
-                if new_plan.reason is not PlanReason.INITIAL:
-                    events.append(("Normal", Reason.SPARE_PROMOTED, f"spare {name} joins the mesh"))
-            self._post(events)
-            events = []
-            log.info(
-                "%s/%s: plan epoch %d stored (%s); assess %.1f ms, status write %.1f ms",
-                self.job.namespace,
-                self.job.name,
-                new_plan.epoch,
-                decision.message[:300],
-                (assessed - mono) * 1000,
-                (time.monotonic() - assessed) * 1000,
-            )
-            self._crash_point("plan-stored")
-        elif decision is not None and decision.outcome is Outcome.WAIT and plan is not None:
+        if decision is not None and decision.outcome is Outcome.WAIT and p.plan is not None:
             if not self.waiting:
-                events.append(("Warning", Reason.BELOW_MIN_REPLICAS, decision.message))
+                p.events.append(("Warning", Reason.BELOW_MIN_REPLICAS, decision.message))
             self.waiting = True
+        if decision is None or decision.outcome is not Outcome.NEW_PLAN or decision.plan is None:
+            return
+        new_plan = decision.plan.model_copy(update={"created_at": p.now})
+        if is_recovery(new_plan) and not recovery_open(self.status):
+            p.recoveries += 1  # a new incident; plans made while one is under way belong to it
+            p.recovery_epoch = new_plan.epoch
+        p.plan, p.fresh, p.stale_plan = new_plan, True, False
+        self.waiting = False
+        self.delivery.new_plan(new_plan)
+        phase, reason = phase_of(new_plan, False, False, True)
+        await self._write_status(
+            p.spec,
+            a,
+            new_plan,
+            phase,
+            reason,
+            decision.message,
+            p.recoveries,
+            p.last_failure,
+            p.generation,
+            p.now,
+            force=True,
+            recovery_epoch=p.recovery_epoch,
+            suspended=a.suspension.condition if a.suspension is not None else None,
+        )
+        metrics.PLANS.labels(**self._labels, reason=new_plan.reason.value).inc()
+        p.events.append(("Normal", Reason.PLAN_CREATED, f"epoch {new_plan.epoch}: {decision.message}"))
+        for name in decision.promoted:
+            if new_plan.reason is not PlanReason.INITIAL:
+                p.events.append(("Normal", Reason.SPARE_PROMOTED, f"spare {name} joins the mesh"))
+        self._post(p.events)
+        p.events = []
+        log.info(
+            "%s/%s: plan epoch %d stored (%s); assess %.1f ms, status write %.1f ms",
+            self.job.namespace,
+            self.job.name,
+            new_plan.epoch,
+            decision.message[:300],
+            (p.assessed - p.mono) * 1000,
+            (time.monotonic() - p.assessed) * 1000,
+        )
+        self._crash_point("plan-stored")
 
-        # (2) push the plan in force to members that do not hold it yet: the trainers wait for it,
-        # nothing else does, so it goes before any pod is deleted or created.
-        if plan is not None and not stale_plan:
-            self.delivery.adopt(plan)
-            events.extend(await self.delivery.push(plan, self.token, self.pusher))
-            if fresh:
-                self._crash_point("plan-pushed")
-            if self.delivery.ahead:  # the status is behind the agents: touch no pod (the next pass holds)
-                self._post(events)
-                return
+    async def _deliver(self, p: _Pass) -> bool:
+        """(2) Push the plan in force to members that do not hold it yet: the trainers wait for it,
+        nothing else does, so it goes before any pod is deleted or created. False when an agent
+        holds a newer epoch than the status: then no pod is touched (the next pass holds)."""
+        assert p.plan is not None
+        self.delivery.adopt(p.plan)
+        p.events.extend(await self.delivery.push(p.plan, self.token, self.pusher))
+        if p.fresh:
+            self._crash_point("plan-pushed")
+        return not self.delivery.ahead
 
-        # (3) failed pods go; new pods come (names reserved first); labels follow the plan.
+    async def _change_pods(self, a: Assessment, p: _Pass) -> None:
+        """(3) Failed pods go; new pods come (names reserved first); labels follow the plan."""
         await self.children.delete(a.delete)
         if a.retire:
             await self.children.retire(a.retire)
-            events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
+            p.events.append(("Normal", Reason.PODS_RETIRED, f"deleted surplus pods {', '.join(a.retire)}"))
         if a.moved_off:
             # Deleted by us rather than left to the drain: the budget refuses evicting a worker, and
             # a spare's replacement should not wait for the drain's next retry.
             await self.children.retire(a.moved_off)
-            events.append(
+            p.events.append(
                 ("Normal", Reason.PODS_MOVED_OFF_NODES, f"deleted {', '.join(a.moved_off)}: their nodes are draining")
             )
         if a.drain_waiting != self.drain_waiting:
             self.drain_waiting = a.drain_waiting
             if a.drain_waiting is not None:
                 log.warning("%s/%s: %s", self.job.namespace, self.job.name, a.drain_waiting)
-                events.append(("Warning", Reason.DRAIN_WAITING, a.drain_waiting[:1024]))
-        created = await self._create(spec, a.create_workers, a.create_spares, pods)
+                p.events.append(("Warning", Reason.DRAIN_WAITING, a.drain_waiting[:1024]))
+        created = await self._create(p.spec, a.create_workers, a.create_spares, p.pods)
         if created:
-            events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
+            p.events.append(("Normal", Reason.POD_CREATED, f"created {', '.join(created)}"))
             self._crash_point("pods-created")
-        if plan is not None and not stale_plan:
-            await self.children.sync_labels(plan, pods, self.status.committed_epoch, self.failed)
+        if p.plan is not None and not p.stale_plan:
+            await self.children.sync_labels(p.plan, p.pods, self.status.committed_epoch, self.failed)
 
-        # (4) status, then events. The job trains again when every member committed a step of
-        # the plan in force; that, not the plan's delivery, ends a recovery.
+    async def _settle(self, a: Assessment, p: _Pass) -> None:
+        """(4) Status, then events. The job trains again when every member committed a step of the
+        plan in force; that, not the plan's delivery, ends a recovery."""
+        plan = p.plan
         committed_epoch = self.status.committed_epoch
         duration = self.status.last_recovery_duration_seconds
         if plan is not None and committed_epoch < plan.epoch:
@@ -536,12 +578,12 @@ class JobController:
             if trained_at is not None:
                 committed_epoch = plan.epoch
                 if self.detected_at is not None or is_recovery(plan):
-                    duration = self._recovery_seconds(now, trained_at)
+                    duration = self._recovery_seconds(p.now, trained_at)
                     self.goodput.recovered(
                         time.time() - (time.monotonic() - trained_at), self._step_time([m.pod for m in plan.members])
                     )
                     metrics.RECOVERY_SECONDS.labels(**self._labels).observe(duration)
-                    events.append(
+                    p.events.append(
                         (
                             "Normal",
                             Reason.RECOVERED,
@@ -551,33 +593,33 @@ class JobController:
                     )
                 self.detected_at = None
         trained = plan is not None and committed_epoch >= plan.epoch
-        phase, reason = phase_of(plan, trained, self.waiting, bool(pods) or bool(self.children.expected))
+        phase, reason = phase_of(plan, trained, self.waiting, bool(p.pods) or bool(self.children.expected))
         message = "" if plan is None else f"epoch {plan.epoch}, mesh {plan.mesh_label}"
-        if phase is JobPhase.DEGRADED and decision is not None:
-            message = decision.message
-        if stale_plan:
-            phase = JobPhase.STARTING if pods or self.children.expected else JobPhase.PENDING
+        if phase is JobPhase.DEGRADED and a.decision is not None:
+            message = a.decision.message
+        if p.stale_plan:
+            phase = JobPhase.STARTING if p.pods or self.children.expected else JobPhase.PENDING
             reason, message = Reason.RESUMING, ""
         elif a.suspension is not None and a.suspension.phase is not None:
             phase = a.suspension.phase
             if a.suspension.condition is not None and a.suspension.warning:
                 reason = a.suspension.condition[1]
         await self._write_status(
-            spec,
+            p.spec,
             a,
             plan,
             phase,
             reason,
             message,
-            recoveries,
-            last_failure,
-            generation,
-            now,
+            p.recoveries,
+            p.last_failure,
+            p.generation,
+            p.now,
             duration=duration,
             committed_epoch=committed_epoch,
             suspended=a.suspension.condition if a.suspension is not None else None,
         )
-        self._post(events)
+        self._post(p.events)
 
     async def _note_queue(self, gate: Gate | None, generation: int | None) -> None:
         """The ``QueueAdmitted`` condition of a queued job follows its Workload's verdict (written,
