@@ -48,11 +48,10 @@ from megatron_operator.status import (
     Reason,
     compute_status,
     condition,
-    progress_only,
-    progress_write_gap,
     set_condition,
     status_body,
 )
+from megatron_operator.status_writer import StatusWriter
 from megatron_operator.suspend import Stage, SuspendRequest
 from megatron_operator.token import derive_token
 
@@ -155,9 +154,7 @@ class JobController:
         self.done = False
         self._labels = metrics.job_labels(job.namespace, job.name)
         self.delivery = PlanDelivery(job, book, self._labels)
-        self.goodput = GoodputLedger.resume(_created(body), self.status.goodput)
-        self._goodput_written = -float("inf")  # monotonic time the status last got fresh goodput figures
-        self._progress_due = -float("inf")  # monotonic time from which progress alone may be written
+        self.writer = StatusWriter(job, book, self._labels, GoodputLedger.resume(_created(body), self.status.goodput))
         self.token_key = token_key  # the job's token is derived from it (token.py)
         self.resume_started: float | None = None  # monotonic time a suspended job was asked to resume
         self.children = ChildKeeper(job, settings, book, nodes, self._spec, lambda: self.token)
@@ -332,7 +329,7 @@ class JobController:
         self.status = status
         self.hold = self._announced = None
         self.delivery.ahead.clear()
-        self.goodput = GoodputLedger.resume(_created(self.body), status.goodput)
+        self.writer.goodput = GoodputLedger.resume(_created(self.body), status.goodput)
 
     def _crash_point(self, name: str) -> None:
         if self.settings.crash_at == name:
@@ -471,7 +468,7 @@ class JobController:
             metrics.FAILURES.labels(**self._labels, reason=failure.reason.value).inc()
             if p.plan is not None and self.detected_at is None and failure.pod in p.members:
                 self.detected_at = mono
-                self.goodput.failure_declared(time.time())
+                self.writer.goodput.failure_declared(time.time())
         if a.failures:
             log.warning(
                 "%s/%s: failed pods: %s",
@@ -579,8 +576,9 @@ class JobController:
                 committed_epoch = plan.epoch
                 if self.detected_at is not None or is_recovery(plan):
                     duration = self._recovery_seconds(p.now, trained_at)
-                    self.goodput.recovered(
-                        time.time() - (time.monotonic() - trained_at), self._step_time([m.pod for m in plan.members])
+                    self.writer.goodput.recovered(
+                        time.time() - (time.monotonic() - trained_at),
+                        self.writer.step_time([m.pod for m in plan.members]),
                     )
                     metrics.RECOVERY_SECONDS.labels(**self._labels).observe(duration)
                     p.events.append(
@@ -838,58 +836,7 @@ class JobController:
             generation=generation,
             suspended=suspended,
         )
-        new = compute_status(self.status, obs, now)
-        wall = time.time()
-        self.goodput.observe(
-            wall,
-            trained=plan is not None and obs.committed_epoch >= plan.epoch,
-            step=step,
-            step_time=self._step_time(members),
-            checkpoint_blocking=self._checkpoint_blocking(members),
-        )
-        metrics.export_goodput(self._labels, self.goodput.snapshot(wall))
-        # Fresh figures ride along with every other change, and on their own at most every 30 s:
-        # goodput changes on every call, and a status write per heartbeat would load the API server.
-        # Each body is made once: at thousands of pods the plan makes it a few hundred kB.
-        old_body = status_body(self.status)
-        new = new.model_copy(update={"goodput": self.status.goodput})
-        body = status_body(new)
-        fresh = force or body != old_body or time.monotonic() - self._goodput_written >= 30
-        if fresh:
-            new = new.model_copy(update={"goodput": self.goodput.snapshot(wall)})
-            body = status_body(new)
-        if not force and (
-            body == old_body or (progress_only(old_body, body) and time.monotonic() < self._progress_due)
-        ):
-            return
-        if fresh:
-            self._goodput_written = time.monotonic()
-        await kube.write_status(self.job.namespace, self.job.name, body)
-        self._progress_due = time.monotonic() + progress_write_gap(body)
-        self.status = new
-        self._export(new, spec)
-
-    def _step_time(self, pods: Iterable[str]) -> float | None:
-        """The latest step's duration as the slowest of ``pods`` measured it."""
-        times = [hb.report.step_time_seconds for p in pods if (hb := self.book.last(self.job.uid, p)) is not None]
-        return max((t for t in times if t is not None), default=None)
-
-    def _checkpoint_blocking(self, pods: Iterable[str]) -> dict[str, float]:
-        """Per pod, the total time its training was blocked starting checkpoint saves."""
-        out = {}
-        for pod in pods:
-            hb = self.book.last(self.job.uid, pod)
-            if hb is not None and hb.report.checkpoint_blocking_seconds is not None:
-                out[pod] = hb.report.checkpoint_blocking_seconds
-        return out
-
-    def _export(self, status: MegatronJobStatus, spec: MegatronJobSpec) -> None:
-        metrics.EPOCH.labels(**self._labels).set(status.epoch)
-        metrics.DP.labels(**self._labels).set(status.plan.sizes.dp if status.plan else 0)
-        metrics.SPARES_READY.labels(**self._labels).set(status.spares_ready)
-        metrics.READY_WORKERS.labels(**self._labels).set(status.ready_workers)
-        for phase in JobPhase:
-            metrics.PHASE.labels(**self._labels, phase=phase.value).set(1 if phase is status.phase else 0)
+        self.status = await self.writer.write(self.status, obs, members, now, force)
 
     def _post(self, events: list[tuple[str, str, str]]) -> None:
         for type_, reason, message in events:
