@@ -65,6 +65,18 @@ def wait_for_step(
     )
 
 
+def wait_for_phase(
+    cluster: LocalCluster, namespace: str, name: str, phase: str, timeout: float, show: Callable[[], str]
+) -> dict[str, Any]:
+    """The job's status once its phase is ``phase``; on timeout, fail with ``show()``."""
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (s := job_status(cluster, namespace, name)).get("phase") == phase and s,
+        timeout,
+        f"{name} to be {phase}",
+        details=show,
+    )
+
+
 def dump(cluster: LocalCluster, namespace: str, operator_log: Path) -> str:
     """The operator's log tail, the job, the pods and each pod's log tail: what a failure needs."""
     parts = ["--- operator log (tail)", _tail(operator_log, 80)]

@@ -22,6 +22,7 @@ from e2e_support import (
     process_nodes_fixture,
     submit,
     wait_for,
+    wait_for_phase,
     wait_for_step,
 )
 
@@ -70,12 +71,7 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
             "training to continue after the recovery",
             details=show,
         )
-        final = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "e2e")).get("phase") == "Succeeded" and s,
-            600,
-            "the job to succeed",
-            details=show,
-        )
+        final = wait_for_phase(local_cluster, namespace, "e2e", "Succeeded", 600, show)
         assert final["recoveries"] == 1 and final["step"] == 60, show()
 
 
@@ -123,10 +119,5 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
             "the spare promoted and a new spare running",
             details=show,
         )
-        final = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, name)).get("phase") == "Succeeded" and s,
-            600,
-            "the job to succeed",
-            details=show,
-        )
+        final = wait_for_phase(local_cluster, namespace, name, "Succeeded", 600, show)
         assert final["recoveries"] == 1 and final["step"] == 300, show()

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import dump, job_status, make_elastic_job, process_nodes_fixture, submit, wait_for, wait_for_step
+from e2e_support import (
+    dump,
+    make_elastic_job,
+    process_nodes_fixture,
+    submit,
+    wait_for,
+    wait_for_phase,
+    wait_for_step,
+)
 
 from localcluster import kueue as kueue_objects
 from localcluster.chaos import check_history, read_samples
@@ -105,12 +113,7 @@ def test_kueue_evicts_a_training_job_into_a_checkpoint_and_it_resumes_from_there
         assert all(p["spec"]["nodeSelector"][NODE_POOL_LABEL] == POOL for p in _pods(local_cluster, namespace))
 
         _set_active(local_cluster, namespace, False)
-        stopped = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "queued")).get("phase") == "Suspended" and s,
-            180,
-            "the evicted job to be suspended",
-            details=show,
-        )
+        stopped = wait_for_phase(local_cluster, namespace, "queued", "Suspended", 180, show)
         cond, step = _condition(stopped, "Suspended"), stopped.get("checkpointStep")
         assert (cond.get("status"), cond.get("reason")) == ("True", "EvictedByQueue"), show()
         assert step is not None and 3 < step < ITERS and f"checkpoint of step {step}" in cond["message"], stopped
@@ -125,12 +128,7 @@ def test_kueue_evicts_a_training_job_into_a_checkpoint_and_it_resumes_from_there
         assert max(s for _, s in read_samples(samples)) == step - 1  # trained up to the checkpoint, no further
 
         _set_active(local_cluster, namespace, True)
-        final = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "queued")).get("phase") == "Succeeded" and s,
-            300,
-            "the admitted job to resume and succeed",
-            details=show,
-        )
+        final = wait_for_phase(local_cluster, namespace, "queued", "Succeeded", 300, show)
     assert final.get("recoveries", 0) == 0 and "lastFailure" not in final, final
     assert _condition(final, "QueueAdmitted").get("status") == "True", final
     problems, history, redone = check_history(read_samples(samples), ITERS, GLOBAL_BATCH, victims=set())

@@ -18,7 +18,16 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from e2e_support import dump, job_status, make_elastic_job, process_nodes_fixture, submit, wait_for, wait_for_step
+from e2e_support import (
+    dump,
+    job_status,
+    make_elastic_job,
+    process_nodes_fixture,
+    submit,
+    wait_for,
+    wait_for_phase,
+    wait_for_step,
+)
 
 from localcluster.chaos import check_history, read_samples
 from localcluster.cluster import LocalCluster
@@ -81,12 +90,7 @@ def test_kubectl_drain_moves_a_member_to_the_spare_without_losing_a_step(
             )
             assert code == 200 and left["items"] == [], show()
 
-            final = wait_for(
-                lambda: (s := job_status(local_cluster, namespace, "drain")).get("phase") == "Succeeded" and s,
-                300,
-                "the job to succeed",
-                details=show,
-            )
+            final = wait_for_phase(local_cluster, namespace, "drain", "Succeeded", 300, show)
         finally:
             local_cluster.kubectl("uncordon", node, check=False)
         assert final.get("recoveries", 0) == 0 and "lastFailure" not in final, final

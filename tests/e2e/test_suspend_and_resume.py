@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import JOBS, dump, job_status, make_elastic_job, process_nodes_fixture, submit, wait_for, wait_for_step
+from e2e_support import (
+    JOBS,
+    dump,
+    job_status,
+    make_elastic_job,
+    process_nodes_fixture,
+    submit,
+    wait_for,
+    wait_for_phase,
+    wait_for_step,
+)
 
 from localcluster.chaos import check_history, compare_losses, read_samples
 from localcluster.cluster import LocalCluster
@@ -78,12 +88,7 @@ def test_suspend_checkpoints_and_stops_the_pods_and_resume_goes_on_from_that_ste
         wait_for_step(local_cluster, namespace, "suspend", 3, 300, show)
 
         _patch_suspend(local_cluster, namespace, "suspend", True)
-        stopped = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "suspend")).get("phase") == "Suspended" and s,
-            120,
-            "the job to be suspended",
-            details=show,
-        )
+        stopped = wait_for_phase(local_cluster, namespace, "suspend", "Suspended", 120, show)
         cond = _suspended_condition(stopped)
         step = stopped.get("checkpointStep")
         assert cond.get("status") == "True" and cond.get("reason") == "JobSuspended", show()
@@ -94,12 +99,7 @@ def test_suspend_checkpoints_and_stops_the_pods_and_resume_goes_on_from_that_ste
         assert max(s for _, s in before) == step - 1, sorted({s for _, s in before})  # trained up to it, no further
 
         _patch_suspend(local_cluster, namespace, "suspend", False)
-        final = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "suspend")).get("phase") == "Succeeded" and s,
-            240,
-            "the resumed job to succeed",
-            details=show,
-        )
+        final = wait_for_phase(local_cluster, namespace, "suspend", "Succeeded", 240, show)
         wait_for(
             lambda: job_status(local_cluster, namespace, "twin").get("phase") == "Succeeded",
             240,
