@@ -21,12 +21,12 @@ Scenarios:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from mesh_strategies import specs
 from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import MegatronJobSpec
@@ -183,34 +183,6 @@ def test_a_copy_not_of_the_resume_step_is_refused() -> None:
 # -- properties -----------------------------------------------------------------------------------
 
 
-@st.composite
-def specs(draw: st.DrawFn) -> MegatronJobSpec:
-    tp = draw(st.sampled_from([1, 2, 4]))
-    pp = draw(st.sampled_from([1, 2]))
-    cp = draw(st.sampled_from([1, 2]))
-    mp = tp * pp * cp
-    layouts = [g for g in (1, 2, 4, 8) if g % tp == 0 and (mp % g == 0 or g % mp == 0)]
-    gpus_per_pod = draw(st.sampled_from(layouts))
-    ep = draw(st.sampled_from([1, 1, 2, 4]))
-    per_pod = max(1, gpus_per_pod // mp)
-    step = math.lcm(per_pod, ep)
-    replicas = step * draw(st.integers(1, max(1, 6 // step)))
-    min_replicas = step * draw(st.integers(1, replicas // step))
-    moe = {"num_experts": 2 * ep, "add_bias_linear": False, "sequence_parallel": tp > 1} if ep > 1 else {}
-    heads = max(4, tp * 4)
-    return distributed_spec(
-        replicas=replicas,
-        min_replicas=min_replicas,
-        spares=draw(st.integers(0, 3)),
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        gpus_per_pod=gpus_per_pod,
-        ep=ep,
-        model={"num_layers": 2 * pp, "hidden_size": heads * 16, "num_attention_heads": heads, **moe},
-    )
-
-
 def check_buddies(plan: MeshPlan) -> None:
     state = plan.optimizer_state
     assert state is not None
@@ -238,7 +210,7 @@ def check_buddies(plan: MeshPlan) -> None:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=specs(), pods=st.integers(1, 8))
+@given(spec=specs(distributed_spec), pods=st.integers(1, 8))
 def test_buddies_are_on_other_pods_deterministic_and_balanced(spec: MegatronJobSpec, pods: int) -> None:
     decision = plan_mesh(spec, JOB_UID, make_pod_refs(pods), [], [], None)
     if decision.outcome is Outcome.WAIT:
@@ -260,7 +232,7 @@ events = st.lists(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=specs(), history=events, in_memory=st.sampled_from([True, True, True, False]))
+@given(spec=specs(distributed_spec), history=events, in_memory=st.sampled_from([True, True, True, False]))
 def test_every_restored_shard_has_a_live_source_or_everyone_reloads(
     spec: MegatronJobSpec, history: list[tuple[str, int, int, list[int]]], in_memory: bool
 ) -> None:

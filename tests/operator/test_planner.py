@@ -31,11 +31,11 @@ Scenarios:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mesh_strategies import specs
 from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import MegatronJobSpec
@@ -281,34 +281,6 @@ def test_lost_shard_falls_back_to_checkpoint_or_init(checkpoint_step: int | None
 
 
 # -- properties -----------------------------------------------------------------------------------
-
-
-@st.composite
-def specs(draw: st.DrawFn) -> MegatronJobSpec:
-    tp = draw(st.sampled_from([1, 2, 4]))
-    pp = draw(st.sampled_from([1, 2]))
-    cp = draw(st.sampled_from([1, 2]))
-    mp = tp * pp * cp
-    layouts = [g for g in (1, 2, 4, 8) if g % tp == 0 and (mp % g == 0 or g % mp == 0)]
-    gpus_per_pod = draw(st.sampled_from(layouts))
-    ep = draw(st.sampled_from([1, 1, 2, 4]))
-    per_pod = max(1, gpus_per_pod // mp)
-    step = math.lcm(per_pod, ep)  # replicas come in whole pods and whole expert-parallel groups
-    replicas = step * draw(st.integers(1, max(1, 6 // step)))
-    min_replicas = step * draw(st.integers(1, replicas // step))
-    moe = {"num_experts": 2 * ep, "add_bias_linear": False, "sequence_parallel": tp > 1} if ep > 1 else {}
-    heads = max(4, tp * 4)
-    return make_spec(
-        replicas=replicas,
-        min_replicas=min_replicas,
-        spares=draw(st.integers(0, 3)),
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        gpus_per_pod=gpus_per_pod,
-        ep=ep,
-        model={"num_layers": 2 * pp, "hidden_size": heads * 16, "num_attention_heads": heads, **moe},
-    )
 
 
 events = st.lists(
