@@ -8,7 +8,13 @@ pushes a replace plan (spare takes the dead rank, state broadcast from a DP peer
 until every member reports the first completed step of the new epoch. It then boots a new spare
 on the freed GPU and repeats. Prints one line per fault and p50/p95 at the end, and writes JSON.
 
+On two GPUs (``--gpus 2``) there is no room for a spare: each fault is a shrink (the survivor goes on
+alone, DP 2 -> 1: kill -> its next step) and a grow (a new pod on the freed GPU joins at a step
+boundary, its state from the survivor, DP 1 -> 2: the survivor's boundary step -> the first step of
+DP 2), each with p50/p95.
+
     python benchmarks/trainer_recovery.py --gpus 4 --faults 6 --out result.json
+    python benchmarks/trainer_recovery.py --gpus 2 --faults 6 --out result.json
 
 Model default: 20 layers, hidden 2048, 16 heads, seq 2048, vocab 50304 (~1.1 B parameters),
 bf16 with fp32 main params and Adam (Megatron's optimizer), global batch 6, micro-batch 1.
@@ -86,8 +92,10 @@ _MODEL_FIELDS = {
 }
 
 
-def job_spec(args: argparse.Namespace, dp: int, train_iters: int, collective_timeout: float = 60.0) -> MegatronJobSpec:
-    """The benchmark's job: TP=1, one GPU per pod, ``dp`` replicas and one spare, bf16; prints its size."""
+def job_spec(
+    args: argparse.Namespace, dp: int, train_iters: int, collective_timeout: float = 60.0, spares: int = 1
+) -> MegatronJobSpec:
+    """The benchmark's job: TP=1, one GPU per pod, ``dp`` replicas and ``spares``, bf16; prints its size."""
     given = {k: getattr(args, k) for k in _MODEL_FIELDS if getattr(args, k) is not None}
     shape = given if args.preset else {**_DEFAULT_SHAPE, **given}
     model = {_MODEL_FIELDS[k]: v for k, v in shape.items()}
@@ -95,7 +103,7 @@ def job_spec(args: argparse.Namespace, dp: int, train_iters: int, collective_tim
         model["preset"] = args.preset
     spec = make_spec(
         replicas=dp,
-        spares=1,
+        spares=spares,
         tp=1,
         gpus_per_pod=1,
         train_iters=train_iters,
@@ -112,8 +120,104 @@ def job_spec(args: argparse.Namespace, dp: int, train_iters: int, collective_tim
     if m.position_embedding is PositionEmbedding.LEARNED:
         params += S * h
     name = f"preset {args.preset}, " if args.preset else ""
-    print(f"model: {name}{L} layers, hidden {h}, ~{params / 1e9:.2f} B parameters; DP={dp} + 1 spare", flush=True)
+    print(
+        f"model: {name}{L} layers, hidden {h}, ~{params / 1e9:.2f} B parameters; DP={dp} + {spares} spare(s)",
+        flush=True,
+    )
     return spec
+
+
+def elastic(args: argparse.Namespace) -> int:
+    """Two GPUs: no room for a spare. Each fault SIGKILLs a member mid-step and the survivor goes on
+    alone (shrink, DP 2 -> 1, state in its own memory); a new pod then boots on the freed GPU and
+    joins at a step boundary ahead of training (grow, DP 1 -> 2, its state from the survivor)."""
+    rng = random.Random(args.seed)
+    spec = job_spec(args, 2, train_iters=1_000_000, spares=0)
+    cluster = WorkerCluster(spec, Path(tempfile.mkdtemp(prefix="recovery-")))
+    names = (f"pod{i}" for i in range(1_000_000))
+    gpu_of: dict[str, int] = {}
+
+    def boot(gpu: int) -> str:
+        name = next(names)
+        gpu_of[name] = gpu
+        cluster.start_pod(name, env={"CUDA_VISIBLE_DEVICES": str(gpu)})
+        return name
+
+    def first_step_at(pods: list[str], epoch: int) -> float:
+        wait_for(
+            lambda: all(any(p.epoch == epoch for p in w.of_type(Progress)) for w in cluster.workers(pods)),
+            300,
+            f"first step of epoch {epoch}",
+            interval=0.002,
+        )
+        return time.time()
+
+    def phases(pods: list[str], epoch: int) -> dict[str, float]:
+        """The slowest member's time in each phase of joining ``epoch``."""
+        got = [next(m.phases for m in w.of_type(PhaseTimes) if m.epoch == epoch) for w in cluster.workers(pods)]
+        return {k: max(p.get(k, 0.0) for p in got) for k in _ELASTIC_PHASES}
+
+    rows: list[dict[str, object]] = []
+    try:
+        members = [boot(0), boot(1)]
+        cluster.wait_ready(members, timeout=400)
+        cluster.assign(cluster.plan(members))
+        cluster.wait_steps(members, 3, timeout=300)
+        for n in range(args.faults):
+            victim = members[rng.randrange(2)]
+            survivor = next(p for p in members if p != victim)
+            worker = cluster.pods[victim][0]
+            seen = worker.last_step()
+            wait_for(lambda w=worker, s=seen: w.last_step() > s, 120, "a step boundary")
+            step_time = worker.of_type(Progress)[-1].step_time_seconds
+            time.sleep(rng.uniform(0.1, 0.9) * step_time)  # fault timing, not synchronization
+            fault_at = inject_into(worker.process.pid, Fault.SIGKILL)
+            assert worker.eof.wait(30)
+            resume = cluster.pods[survivor][0].last_step()
+            plan = cluster.plan([survivor], resume_step=resume, reason=PlanReason.SHRINK)
+            cluster.assign(plan, [survivor])
+            took = first_step_at([survivor], plan.epoch) - fault_at
+            shrink = {"fault": n, "kind": "shrink", "fault_to_next_step_s": took, "step_time_s": step_time}
+            rows.append({**shrink, **phases([survivor], plan.epoch), "resume_step": resume})
+            cluster.kill_pod(victim)
+            newcomer = boot(gpu_of[victim])
+            wait_for(lambda p=newcomer: cluster.pods[p][0].of_type(Hello), 400, f"{newcomer} to warm up")
+            boundary = cluster.pods[survivor][0].last_step() + 3
+            members = [survivor, newcomer]
+            plan = cluster.plan(
+                members,
+                resume_step=boundary,
+                reason=PlanReason.GROW,
+                sources={1: StateSource(rank=1, kind=StateSourceKind.PEER, peer_rank=0)},
+            )
+            cluster.assign(plan, members)
+            cluster.wait_steps([survivor], boundary, timeout=120)
+            reached_at = time.time()
+            # The survivor's pause: its boundary step done -> the first step of DP 2 done.
+            took = first_step_at(members, plan.epoch) - reached_at
+            rows.append({"fault": n, "kind": "grow", "boundary_to_next_step_s": took, **phases(members, plan.epoch)})
+            print(
+                f"fault {n}: shrink {rows[-2]['fault_to_next_step_s']:.3f}s (kill -> next step), "
+                f"grow {took:.3f}s (boundary -> next step) | step {step_time:.3f}s",
+                flush=True,
+            )
+        cluster.losses(members)
+    finally:
+        if not rows:
+            print(cluster.logs())
+        cluster.close()
+
+    summary = {}
+    for kind, key in (("shrink", "fault_to_next_step_s"), ("grow", "boundary_to_next_step_s")):
+        values = [float(r[key]) for r in rows if r["kind"] == kind]  # type: ignore[arg-type]
+        summary[kind] = {"n": len(values), "p50_s": statistics.median(values), "p95_s": percentile(values, 95)}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "faults": rows, "args": vars(args)}, default=str))
+    return 0
+
+
+_ELASTIC_PHASES = ("rendezvous", "rebuild", "restore", "verify", "first_step")
 
 
 def main() -> int:
@@ -121,11 +225,10 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=6)
     add_job_args(parser)
     args = parser.parse_args()
-    if args.gpus < 3:
-        parser.error(
-            "--gpus must be at least 3: two data-parallel trainers (the spare takes its state from the"
-            " survivor) and one spare; on two GPUs, trainer_scenarios.py --gpus 2 measures shrink and grow"
-        )
+    if args.gpus < 2:
+        parser.error("--gpus must be at least 2: a data-parallel peer holds the state of the rank that is lost")
+    if args.gpus == 2:
+        return elastic(args)
     rng = random.Random(args.seed)
     dp = args.gpus - 1
     spec = job_spec(args, dp, train_iters=1_000_000)

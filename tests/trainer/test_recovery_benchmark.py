@@ -1,0 +1,28 @@
+"""``benchmarks/trainer_recovery.py --gpus 2`` on CPU processes with gloo at a tiny model size: with
+no room for a spare, each fault is a shrink (the survivor trains alone, from its own memory) and a
+grow (a new pod joins, its state from the survivor), and every figure and phase is recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmark_runs import run_benchmark
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_two_gpus_measure_shrink_then_grow_for_every_fault(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "trainer_recovery.py", tmp_path / "recovery.json", "--gpus", "2", "--faults", "2", *TINY, cpu=True
+    )
+    rows = result["faults"]
+    assert [(r["fault"], r["kind"]) for r in rows] == [(0, "shrink"), (0, "grow"), (1, "shrink"), (1, "grow")]
+    for shrink in rows[::2]:
+        assert shrink["fault_to_next_step_s"] > 0 and shrink["rebuild"] > 0 and shrink["first_step"] > 0
+    for grow in rows[1::2]:
+        assert grow["boundary_to_next_step_s"] > 0 and grow["restore"] > 0  # the newcomer's state from the peer
+    assert result["summary"]["shrink"]["n"] == result["summary"]["grow"]["n"] == 2
