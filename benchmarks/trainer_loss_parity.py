@@ -5,7 +5,8 @@ Two runs of the same job (``trainer_recovery.py``'s model, TP=1, DP=gpus-1, one 
 1. reference: ``--steps`` steps without a fault;
 2. faulty: the same plus a warm spare; at a random moment inside step ``--fault-step`` a training
    worker is SIGKILLed, the spare takes its rank with state broadcast from a DP peer, and training
-   goes on to ``--steps``.
+   goes on to ``--steps``. On two GPUs (``--gpus 2``: DP 2, no room for a spare) the survivor trains
+   on alone for three steps (DP 1), then a new pod joins with its state from the survivor (DP 2).
 
 Prints how many steps' losses are bitwise equal and the largest relative difference, before and
 after the fault. ``--control`` adds a second failure-free run: its distance from the first is the
@@ -37,18 +38,23 @@ from megatron_trainer.faults import Fault, inject_into
 
 
 def run(args: argparse.Namespace, fault: bool) -> dict[int, float]:
-    """Train ``args.steps`` steps on ``gpus - 1`` pods (plus a spare when ``fault``); step -> loss."""
-    dp = args.gpus - 1
-    spec = job_spec(args, dp, train_iters=args.steps)
+    """Train ``args.steps`` steps on ``gpus - 1`` pods (plus a spare when ``fault``); step -> loss.
+    On two GPUs: two pods, and the fault is a shrink and a grow (:func:`shrink_and_grow`)."""
+    elastic = args.gpus == 2
+    dp = 2 if elastic else args.gpus - 1
+    spec = job_spec(args, dp, train_iters=args.steps, spares=0 if elastic else 1)
     cluster = WorkerCluster(spec, Path(tempfile.mkdtemp(prefix="parity-")))
     try:
         members = [f"pod{g}" for g in range(dp)]
-        pods = [*members, "spare"] if fault else members
+        # On two GPUs the pod that joins after the shrink warms up beside the one it replaces.
+        pods = [*members, "joiner" if elastic else "spare"] if fault else members
         for gpu, pod in enumerate(pods):
-            cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(gpu)})
+            cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(min(gpu, args.gpus - 1))})
         cluster.wait_ready(pods, timeout=400)
         cluster.assign(cluster.plan(members))
-        if fault:
+        if fault and elastic:
+            members = shrink_and_grow(cluster, args, members)
+        elif fault:
             rng = random.Random(args.seed)
             victim_pod = members[rng.randrange(dp)]
             victim = cluster.pods[victim_pod][0]
@@ -73,6 +79,26 @@ def run(args: argparse.Namespace, fault: bool) -> dict[int, float]:
         raise
     finally:
         cluster.close()
+
+
+def shrink_and_grow(cluster: WorkerCluster, args: argparse.Namespace, members: list[str]) -> list[str]:
+    """Inside step ``--fault-step`` the second pod is SIGKILLed; the first trains on alone (DP 1) for
+    three steps, then the pod warmed up on the same GPU joins with its state from it (DP 2 again)."""
+    survivor, victim = members
+    worker = cluster.pods[victim][0]
+    wait_for(lambda: worker.last_step() >= args.fault_step, 300, f"step {args.fault_step}")
+    time.sleep(random.Random(args.seed).uniform(0.1, 0.9) * worker.of_type(Progress)[-1].step_time_seconds)
+    inject_into(worker.process.pid, Fault.SIGKILL)
+    assert worker.eof.wait(30), "the SIGKILLed worker's channel did not close"
+    resume = cluster.pods[survivor][0].last_step()
+    cluster.assign(cluster.plan([survivor], resume_step=resume, reason=PlanReason.SHRINK), [survivor])
+    cluster.kill_pod(victim)
+    boundary = resume + 3
+    grown = [survivor, "joiner"]
+    sources = {1: StateSource(rank=1, kind=StateSourceKind.PEER, peer_rank=0)}
+    cluster.assign(cluster.plan(grown, resume_step=boundary, reason=PlanReason.GROW, sources=sources), grown)
+    print(f"rank 1 killed during step {resume}; DP 1 until step {boundary}, then DP 2 again", flush=True)
+    return grown
 
 
 def compare(reference: dict[int, float], other: dict[int, float], args: argparse.Namespace) -> dict[str, object]:
@@ -105,8 +131,8 @@ def main() -> int:
     )
     add_job_args(parser)
     args = parser.parse_args()
-    if args.gpus < 3:
-        parser.error("--gpus must be at least 3 (two DP replicas, so a peer holds the state, and a spare)")
+    if args.gpus < 2:
+        parser.error("--gpus must be at least 2 (two DP replicas, so a peer holds the state)")
     if not 0 < args.fault_step < args.steps:
         parser.error("--fault-step must lie inside the run")
 

@@ -1,6 +1,7 @@
-"""``benchmarks/trainer_recovery.py --gpus 2`` on CPU processes with gloo at a tiny model size: with
-no room for a spare, each fault is a shrink (the survivor trains alone, from its own memory) and a
-grow (a new pod joins, its state from the survivor), and every figure and phase is recorded."""
+"""The recovery benchmarks' two-GPU modes on CPU processes with gloo at a tiny model size: with no
+room for a spare, a fault is a shrink (the survivor trains alone, from its own memory) and a grow (a
+new pod joins, its state from the survivor). ``trainer_recovery.py`` records every figure and phase
+of each; ``trainer_loss_parity.py`` compares the losses with a failure-free run."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def test_two_gpus_measure_shrink_then_grow_for_every_fault(tmp_path: Path) -> No
     for grow in rows[1::2]:
         assert grow["boundary_to_next_step_s"] > 0 and grow["restore"] > 0  # the newcomer's state from the peer
     assert result["summary"]["shrink"]["n"] == result["summary"]["grow"]["n"] == 2
+
+
+def test_two_gpus_loss_parity_through_a_shrink_and_a_grow(tmp_path: Path) -> None:
+    """``trainer_loss_parity.py --gpus 2``: the run that shrinks to DP 1 and grows back matches the
+    failure-free run bit for bit on CPU (gloo sums a step's gradients in the same order either way)."""
+    args = ("--gpus", "2", "--steps", "16", "--fault-step", "5", *TINY)
+    result = run_benchmark("trainer_loss_parity.py", tmp_path / "parity.json", *args, cpu=True)
+    faulty = result["summary"]["faulty"]
+    assert faulty["steps"] == 16 and faulty["steps_after_fault"] == 11
+    assert faulty["bitwise_equal_steps"] == 16, faulty
