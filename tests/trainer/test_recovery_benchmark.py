@@ -1,7 +1,8 @@
 """The recovery benchmarks' two-GPU modes on CPU processes with gloo at a tiny model size: with no
 room for a spare, a fault is a shrink (the survivor trains alone, from its own memory) and a grow (a
 new pod joins, its state from the survivor). ``trainer_recovery.py`` records every figure and phase
-of each; ``trainer_loss_parity.py`` compares the losses with a failure-free run."""
+of each; ``trainer_loss_parity.py`` compares the losses with a failure-free run; ``agent_recovery.py``
+does it through the real pod agents."""
 
 from __future__ import annotations
 
@@ -37,3 +38,17 @@ def test_two_gpus_loss_parity_through_a_shrink_and_a_grow(tmp_path: Path) -> Non
     faulty = result["summary"]["faulty"]
     assert faulty["steps"] == 16 and faulty["steps_after_fault"] == 11
     assert faulty["bitwise_equal_steps"] == 16, faulty
+
+
+def test_recovery_through_the_real_agents_reports_each_share(tmp_path: Path) -> None:
+    """``agent_recovery.py --gpus 2``: real agent processes supervise the workers; a killed worker's
+    agent and its peer's agent report to the recording operator, and the plan pushed to the control
+    port brings the job back (a shrink, then a new pod grows it for the next fault)."""
+    result = run_benchmark(
+        "agent_recovery.py", tmp_path / "agent.json", "--gpus", "2", "--faults", "2", *TINY, cpu=True
+    )
+    rows = result["faults"]
+    assert [(r["fault"], r["plan"], r["epoch"]) for r in rows] == [(0, "shrink", 2), (1, "shrink", 4)]
+    for r in rows:
+        assert 0 < r["b_report_s"] < r["first_step_s"] and 0 < r["a_report_s"] < r["first_step_s"]
+        assert r["push_s"] > 0 and r["phases"]["rebuild"] > 0 and r["phases"]["first_step"] > 0
