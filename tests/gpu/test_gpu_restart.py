@@ -5,16 +5,13 @@ from a peer. Skipped without CUDA (CI has none)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmark_runs import run_benchmark
+
 GPUS = torch.cuda.device_count()
 SMALL = ["--layers", "2", "--hidden", "256", "--heads", "8", "--seq", "128", "--vocab", "1024"]
 
@@ -27,22 +24,8 @@ pytestmark = [
 
 def test_in_place_and_cold_restart_arms_on_gpu(tmp_path: Path) -> None:
     gpus = min(GPUS, 2)
-    out = tmp_path / "restart.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "restart_vs_in_place.py"),
-            *("--gpus", str(gpus), "--interval", "6", "--steps-after", "3", "--out", str(out)),
-            *SMALL,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert done.returncode == 0, f"restart_vs_in_place.py failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
-    arms = json.loads(out.read_text())["arms"]
+    args = ("--gpus", str(gpus), "--interval", "6", "--steps-after", "3", *SMALL)
+    arms = run_benchmark("restart_vs_in_place.py", tmp_path / "restart.json", *args)["arms"]
     assert [a["arm"].split(",")[0] for a in arms] == ["in place"] * (len(arms) - 1) + ["cold restart"]
     assert len(arms) == (3 if gpus >= 2 else 2)
     for arm in arms:

@@ -6,16 +6,13 @@ none)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmark_runs import run_benchmark
+
 GPUS = torch.cuda.device_count()
 SMALL = ["--layers", "2", "--hidden", "256", "--heads", "8", "--seq", "128", "--vocab", "1024"]
 
@@ -27,23 +24,8 @@ pytestmark = [
 
 
 def test_plain_loop_and_worker_alternate_on_gpu(tmp_path: Path) -> None:
-    out = tmp_path / "steady.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "steady_state.py"),
-            *("--configs", "gpt", "llama3-1b", "--rounds", "2", "--warmup", "2", "--steps", "4"),
-            *("--out", str(out)),
-            *SMALL,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert done.returncode == 0, f"steady_state.py failed:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
-    configs = json.loads(out.read_text())["configs"]
+    args = ("--configs", "gpt", "llama3-1b", "--rounds", "2", "--warmup", "2", "--steps", "4", *SMALL)
+    configs = run_benchmark("steady_state.py", tmp_path / "steady.json", *args)["configs"]
     assert [c["config"] for c in configs] == ["gpt", "llama3-1b"]
     for c in configs:
         assert c["gpus"] == GPUS
