@@ -12,7 +12,11 @@ worker crash. Modules, one concern each:
 - :mod:`.supervisor`: worker processes, their channels, exit and hang detection.
 - :mod:`.heartbeat`: ``AgentReport`` heartbeats and failed-peer reports to the operator.
 - :mod:`.rendezvous_host`: the TCPStore server bound to the pod address.
+- :mod:`.worker_events`: what the workers tell the agent (progress, checkpoints, phase times,
+  failed collectives) and its answer to their hangs, exits and restarts.
+- :mod:`.checkpoints`: the pod's view of saves and restores, for its report.
+- :mod:`.reports`: the heartbeat's ``AgentReport``, the state document, pending failures, gauges.
 - :mod:`.metrics`: Prometheus metrics.
 - :mod:`.server`: the control HTTP endpoint (aiohttp).
-- :mod:`.agent`: the :class:`~.agent.Agent` that ties them together.
+- :mod:`.agent`: the :class:`~.agent.Agent` that holds the plan and ties them together.
 """
