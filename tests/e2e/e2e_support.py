@@ -16,6 +16,11 @@ from localcluster.jobs import tiny_job
 from localcluster.nodeagent import NodeAgent
 
 JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
+#: Steps of a job that moves to a new plan without a failure (a drain, a suspension, an eviction). The
+#: move waits for a step boundary about 6 s of training ahead (planner.boundary_lead: the reports' lag
+#: and the push, twice over, counted at the fastest recent step): at this job's fastest CPU steps
+#: (~0.02 s) that is 300 steps. A shorter job ends before the move takes effect.
+LONG_RUN_ITERS = 600
 
 
 def process_nodes_fixture(count: int, pool: str) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from e2e_support import (
+    LONG_RUN_ITERS,
     dump,
     make_elastic_job,
     process_nodes_fixture,
@@ -45,7 +46,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 POOL = "kueue"
 process_nodes = process_nodes_fixture(2, POOL)
-ITERS = 48
+ITERS = LONG_RUN_ITERS
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 WORKLOADS = f"/apis/{kueue_objects.GROUP}/{kueue_objects.VERSION}"
 
@@ -128,7 +129,7 @@ def test_kueue_evicts_a_training_job_into_a_checkpoint_and_it_resumes_from_there
         assert max(s for _, s in read_samples(samples)) == step - 1  # trained up to the checkpoint, no further
 
         _set_active(local_cluster, namespace, True)
-        final = wait_for_phase(local_cluster, namespace, "queued", "Succeeded", 300, show)
+        final = wait_for_phase(local_cluster, namespace, "queued", "Succeeded", 600, show)
     assert final.get("recoveries", 0) == 0 and "lastFailure" not in final, final
     assert _condition(final, "QueueAdmitted").get("status") == "True", final
     problems, history, redone = check_history(read_samples(samples), ITERS, GLOBAL_BATCH, victims=set())

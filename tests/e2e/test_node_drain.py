@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from e2e_support import (
+    LONG_RUN_ITERS,
     dump,
     job_status,
     make_elastic_job,
@@ -38,10 +39,7 @@ from localcluster.operator_run import running_operator
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 process_nodes = process_nodes_fixture(4, "drain")
-# The move waits for a step boundary about 6 s of training ahead (planner.boundary_lead: the reports'
-# lag and the push, twice over, counted at the fastest recent step): at this job's fastest CPU steps
-# (~0.02 s) that is 300 steps. The job must last past it, or it ends before the new mesh trains.
-ITERS = 400
+ITERS = LONG_RUN_ITERS
 
 
 def test_kubectl_drain_moves_a_member_to_the_spare_without_losing_a_step(
@@ -93,7 +91,7 @@ def test_kubectl_drain_moves_a_member_to_the_spare_without_losing_a_step(
             )
             assert code == 200 and left["items"] == [], show()
 
-            final = wait_for_phase(local_cluster, namespace, "drain", "Succeeded", 300, show)
+            final = wait_for_phase(local_cluster, namespace, "drain", "Succeeded", 600, show)
         finally:
             local_cluster.kubectl("uncordon", node, check=False)
         assert final.get("recoveries", 0) == 0 and "lastFailure" not in final, final

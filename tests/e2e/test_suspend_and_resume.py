@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from e2e_support import (
     JOBS,
+    LONG_RUN_ITERS,
     dump,
     job_status,
     make_elastic_job,
@@ -43,7 +44,7 @@ from megatron_trainer.worker.checkpoint_files import MANIFEST, checkpoint_dir
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 process_nodes = process_nodes_fixture(4, "suspend")
-ITERS = 48
+ITERS = LONG_RUN_ITERS
 
 
 def _patch_suspend(cluster: LocalCluster, namespace: str, name: str, value: bool) -> None:
@@ -99,10 +100,10 @@ def test_suspend_checkpoints_and_stops_the_pods_and_resume_goes_on_from_that_ste
         assert max(s for _, s in before) == step - 1, sorted({s for _, s in before})  # trained up to it, no further
 
         _patch_suspend(local_cluster, namespace, "suspend", False)
-        final = wait_for_phase(local_cluster, namespace, "suspend", "Succeeded", 240, show)
+        final = wait_for_phase(local_cluster, namespace, "suspend", "Succeeded", 600, show)
         wait_for(
             lambda: job_status(local_cluster, namespace, "twin").get("phase") == "Succeeded",
-            240,
+            600,
             "the twin to succeed",
             details=show,
         )
