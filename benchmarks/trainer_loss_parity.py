@@ -29,12 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_recovery import add_job_args, job_spec
-from worker_harness import WorkerCluster, wait_for
+from trainer_recovery import add_job_args, job_spec, kill_inside_step
+from worker_harness import WorkerCluster
 
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
-from megatron_trainer.channel import Progress
-from megatron_trainer.faults import Fault, inject_into
 
 
 def run(args: argparse.Namespace, fault: bool) -> dict[int, float]:
@@ -58,11 +56,7 @@ def run(args: argparse.Namespace, fault: bool) -> dict[int, float]:
             rng = random.Random(args.seed)
             victim_pod = members[rng.randrange(dp)]
             victim = cluster.pods[victim_pod][0]
-            wait_for(lambda: victim.last_step() >= args.fault_step, 300, f"step {args.fault_step}")
-            step_time = victim.of_type(Progress)[-1].step_time_seconds
-            time.sleep(rng.uniform(0.1, 0.9) * step_time)  # fault timing inside the step
-            fault_at = inject_into(victim.process.pid, Fault.SIGKILL)
-            assert victim.eof.wait(30), "the SIGKILLed worker's channel did not close"
+            fault_at, _ = kill_inside_step(victim, rng, after=args.fault_step - 1, timeout=300)
             dead = members.index(victim_pod)
             sources = {dead: StateSource(rank=dead, kind=StateSourceKind.PEER, peer_rank=(dead + 1) % dp)}
             members = [p if p != victim_pod else "spare" for p in members]
@@ -85,11 +79,7 @@ def shrink_and_grow(cluster: WorkerCluster, args: argparse.Namespace, members: l
     """Inside step ``--fault-step`` the second pod is SIGKILLed; the first trains on alone (DP 1) for
     three steps, then the pod warmed up on the same GPU joins with its state from it (DP 2 again)."""
     survivor, victim = members
-    worker = cluster.pods[victim][0]
-    wait_for(lambda: worker.last_step() >= args.fault_step, 300, f"step {args.fault_step}")
-    time.sleep(random.Random(args.seed).uniform(0.1, 0.9) * worker.of_type(Progress)[-1].step_time_seconds)
-    inject_into(worker.process.pid, Fault.SIGKILL)
-    assert worker.eof.wait(30), "the SIGKILLed worker's channel did not close"
+    kill_inside_step(cluster.pods[victim][0], random.Random(args.seed), after=args.fault_step - 1, timeout=300)
     resume = cluster.pods[survivor][0].last_step()
     cluster.assign(cluster.plan([survivor], resume_step=resume, reason=PlanReason.SHRINK), [survivor])
     cluster.kill_pod(victim)

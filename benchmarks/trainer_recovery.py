@@ -42,7 +42,7 @@ sys.path[:0] = [
     str(REPO / "tests" / "trainer"),
 ]
 
-from worker_harness import WorkerCluster, make_spec, wait_for  # noqa: E402
+from worker_harness import WorkerCluster, WorkerProcess, make_spec, wait_for  # noqa: E402
 
 from megatron_contract.job import Activation, MegatronJobSpec, PositionEmbedding, Precision  # noqa: E402
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind  # noqa: E402
@@ -56,6 +56,21 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
     return ordered[k]
+
+
+def kill_inside_step(
+    worker: WorkerProcess, rng: random.Random, after: int | None = None, timeout: float = 120.0
+) -> tuple[float, float]:
+    """SIGKILL ``worker`` at a random moment inside a step: once a step past ``after`` (by default
+    the step in flight) is done, after a random fraction of that step's time. Returns (when it was
+    killed, the step time); the worker's channel has closed by then."""
+    seen = worker.last_step() if after is None else after
+    wait_for(lambda: worker.last_step() > seen, timeout, f"a step past {seen}")
+    step_time = worker.of_type(Progress)[-1].step_time_seconds
+    time.sleep(rng.uniform(0.1, 0.9) * step_time)  # fault timing, not synchronization
+    killed_at = inject_into(worker.process.pid, Fault.SIGKILL)
+    assert worker.eof.wait(30), "the SIGKILLed worker's channel did not close"
+    return killed_at, step_time
 
 
 _DEFAULT_SHAPE = {"layers": 20, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 50304}
@@ -166,13 +181,7 @@ def elastic(args: argparse.Namespace) -> int:
         for n in range(args.faults):
             victim = members[rng.randrange(2)]
             survivor = next(p for p in members if p != victim)
-            worker = cluster.pods[victim][0]
-            seen = worker.last_step()
-            wait_for(lambda w=worker, s=seen: w.last_step() > s, 120, "a step boundary")
-            step_time = worker.of_type(Progress)[-1].step_time_seconds
-            time.sleep(rng.uniform(0.1, 0.9) * step_time)  # fault timing, not synchronization
-            fault_at = inject_into(worker.process.pid, Fault.SIGKILL)
-            assert worker.eof.wait(30)
+            fault_at, step_time = kill_inside_step(cluster.pods[victim][0], rng)
             resume = cluster.pods[survivor][0].last_step()
             plan = cluster.plan([survivor], resume_step=resume, reason=PlanReason.SHRINK)
             cluster.assign(plan, [survivor])
@@ -260,13 +269,7 @@ def main() -> int:
         for n in range(args.faults):
             victim_pod = members[rng.randrange(len(members))]
             victim = cluster.pods[victim_pod][0]
-            # A random moment inside a step: just after a step completes, plus a random fraction.
-            seen = victim.last_step()
-            wait_for(lambda v=victim, s=seen: v.last_step() > s, 120, "a step boundary")
-            step_time = victim.of_type(Progress)[-1].step_time_seconds
-            time.sleep(rng.uniform(0.1, 0.9) * step_time)  # fault timing, not synchronization
-            fault_at = inject_into(victim.process.pid, Fault.SIGKILL)
-            assert victim.eof.wait(30)
+            fault_at, step_time = kill_inside_step(victim, rng)
             eof_at = victim.eof_at or time.time()
             survivors = [p for p in members if p != victim_pod]
             resume = max(w.last_step() for w in cluster.workers(members))
