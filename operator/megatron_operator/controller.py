@@ -400,7 +400,7 @@ class JobController:
             accusations=self.book.accusations(uid, plan.epoch) if plan is not None else (),
             completed_step=self.book.completed_step(uid, members),
             step_seconds=self.book.step_seconds(uid, members),
-            all_succeeded=self.book.succeeded(uid, members),
+            finished=self.book.finished(uid, [m for m in members if m not in self.failed], p.spec.training.train_iters),
             warm=self.book.warm(uid, watched, fresh_age, mono),
             fresh=self.book.fresh(uid, watched, fresh_age, mono),
             quiet=set(watched) - set(self.book.fresh(uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),

@@ -151,11 +151,24 @@ class HeartbeatBook:
         """The plan epoch each reporting pod holds."""
         return {pod: hb.report.epoch for pod, hb in self._last.get(job_uid, {}).items()}
 
-    def succeeded(self, job_uid: str, pods: Iterable[str]) -> bool:
-        """Whether every pod among ``pods`` reported that training finished."""
+    def finished(self, job_uid: str, members: Iterable[str], train_iters: int) -> bool:
+        """Whether training finished: some pod's agent reported it, and none of ``members`` still
+        writes its final checkpoint (reported the last step but not yet that it finished).
+
+        One report is enough: the members of a mesh commit every step together, so one that
+        finished means the last step was committed by all. The mesh may have been planned again
+        meanwhile (a grow that its finished members refused), so the members of the plan in force
+        need not all finish.
+        """
         seen = self._last.get(job_uid, {})
-        names = list(pods)
-        return bool(names) and all(p in seen and seen[p].report.state is AgentState.SUCCEEDED for p in names)
+        if not any(hb.report.state is AgentState.SUCCEEDED for hb in seen.values()):
+            return False
+        writing = (
+            p
+            for p in members
+            if p in seen and seen[p].report.state is AgentState.TRAINING and (seen[p].report.step or 0) >= train_iters
+        )
+        return next(writing, None) is None
 
     def forget(self, job_uid: str, pods: Iterable[str] | None = None) -> None:
         """Drop what is known of some pods of a job (all of the job when ``pods`` is None)."""

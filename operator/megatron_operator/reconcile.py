@@ -39,7 +39,7 @@ class AgentSignals:
     accusations: Sequence[Accusation] = ()  # failed peers reported for the current epoch
     completed_step: int | None = None  # steps every reporting member completed (a count)
     step_seconds: float | None = None  # the fastest step the members reported lately
-    all_succeeded: bool = False  # every member's agent reports that training finished
+    finished: bool = False  # training finished (HeartbeatBook.finished)
     # Pods whose agent reported recently that its workers are warm and hold no rank: the only pods
     # a plan may bring in (None: not known, every running pod qualifies; unit tests of other rules).
     warm: Collection[str] | None = None
@@ -303,7 +303,7 @@ def assess(
         )
 
     if plan is not None and (
-        signals.all_succeeded or all(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
+        signals.finished or all(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members)
     ):
         done = Terminal(JobPhase.SUCCEEDED, Reason.TRAINING_FINISHED, f"trained {spec.training.train_iters} steps")
         return _wind_down(status, pods, plan, known_failures, terminal=done, failures=tuple(failures))

@@ -88,9 +88,21 @@ def test_book_reads_accusations_steps_and_success() -> None:
     assert book.checkpoint_unusable("j") is None
     book.record(_report("b", step=8, checkpointUnusable="no usable checkpoint at or before step 5"), 0)
     assert book.checkpoint_unusable("j") == "no usable checkpoint at or before step 5"
-    assert not book.succeeded("j", ["a", "b"])
-    book.record(_report("a", state="succeeded"), 1)
-    book.record(_report("b", state="succeeded"), 1)
-    assert book.succeeded("j", ["a", "b"])
+    assert not book.finished("j", ["a", "b"], 10)
+    book.record(_report("a", step=10, state="succeeded"), 1)
+    book.record(_report("b", step=10), 1)
+    assert not book.finished("j", ["a", "b"], 10)  # b still writes its final checkpoint
+    book.record(_report("b", step=10, state="succeeded"), 1)
+    assert book.finished("j", ["a", "b"], 10)
     book.forget("j")
     assert book.last("j", "a") is None
+
+
+def test_training_finished_in_an_epoch_the_plan_in_force_replaced() -> None:
+    # The shrunk mesh (a alone, epoch 3) trained to the end while the operator planned a grow
+    # (epoch 4: a and the promoted spare c); a refused the plan, finished, and stops reporting.
+    book = HeartbeatBook()
+    book.record(_report("a", epoch=3, step=10, state="succeeded"), 1)
+    book.record(_report("c", epoch=4, state="reconfiguring"), 1)
+    assert book.finished("j", ["a", "c"], 10)
+    assert book.finished("j", ["c"], 10)  # a declared failed since: still finished

@@ -180,7 +180,7 @@ def test_success_ends_the_job_and_releases_spares() -> None:
     a = assess(SPEC, JOB_UID, status, done, NODES, AgentSignals(), {})
     assert a.terminal is not None and a.terminal.phase is JobPhase.SUCCEEDED
     assert [name for name, _ in a.delete] == ["job-2"]
-    b = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(all_succeeded=True), {})
+    b = assess(SPEC, JOB_UID, status, pods, NODES, AgentSignals(finished=True), {})
     assert b.terminal is not None and b.terminal.phase is JobPhase.SUCCEEDED
 
 
