@@ -195,7 +195,11 @@ class AgentProcess:
         self.log_path = log_dir / f"agent-{pod}.log"
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(str(REPO / root) for root in SOURCE_ROOTS),
+            # The sources first, then what the caller's path had (packages installed beside the
+            # image's, as on the GPU machines).
+            "PYTHONPATH": os.pathsep.join(
+                [*(str(REPO / root) for root in SOURCE_ROOTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
             wire.ENV_JOB_NAME: "test-job",
             wire.ENV_JOB_NAMESPACE: "test",
             wire.ENV_JOB_UID: JOB_UID,
@@ -245,10 +249,22 @@ class AgentProcess:
         return http_json("POST", self.url + wire.AGENT_PLAN_PATH, body, all_headers)
 
     def wait_state(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        """Poll ``/v1/state`` until ``predicate`` holds."""
-        return wait_for(
-            lambda: (s := self.state()) if predicate(s := self.state()) else None, timeout, f"{self.pod.name}: {what}"
-        )
+        """Poll ``/v1/state`` until ``predicate`` holds; fail at once, with the agent's log, when
+        the agent exited or reports itself failed (it would never get there)."""
+
+        def check() -> dict[str, Any] | None:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"{self.pod.name}: agent exited with {self.process.returncode}:\n{self.log()[-4000:]}"
+                )
+            s = self.state()
+            if predicate(s):
+                return s
+            if s["state"] == "failed":
+                raise AssertionError(f"{self.pod.name}: agent failed while waiting for {what}:\n{self.log()[-4000:]}")
+            return None
+
+        return wait_for(check, timeout, f"{self.pod.name}: {what}")
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Until the control port answers and every worker said Hello (state spare)."""
