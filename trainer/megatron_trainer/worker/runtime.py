@@ -26,7 +26,6 @@ import gc
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from megatron_trainer.channel import (
 )
 from megatron_trainer.faults import FaultPlan, InjectedFault, InjectionPoint
 from megatron_trainer.worker import abort, checkpoint, rendezvous
+from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
 from megatron_trainer.worker.lifecycle import WorkerState, check_transition
 from megatron_trainer.worker.model import (
@@ -66,7 +66,7 @@ from megatron_trainer.worker.model import (
 )
 from megatron_trainer.worker.peer_restore import restore_from_peers
 from megatron_trainer.worker.settings import WorkerSettings
-from megatron_trainer.worker.step import StepAborted, guard_commit, train_step
+from megatron_trainer.worker.step import guard_commit, train_step
 from megatron_trainer.worker.verify import StateMismatch, verify_state
 from megatron_trainer.worker.watchdog import (
     GLOO_FLOOR_SECONDS,
@@ -76,6 +76,9 @@ from megatron_trainer.worker.watchdog import (
     ProgressMarks,
     StepLimit,
 )
+
+# is_collective_error lived here before collective_errors.py; others still import it from here.
+__all__ = ["Worker", "is_collective_error"]
 
 log = logging.getLogger("megatron_trainer.worker")
 
@@ -97,27 +100,6 @@ _WIRE_STATE: dict[WorkerState, WireWorkerState] = {
 }
 #: Worker states in which the watchdog tells the agent it is alive.
 _SAYS_ALIVE = frozenset({WorkerState.SPARE, WorkerState.RECONFIGURING, WorkerState.TRAINING, WorkerState.WAITING})
-
-#: Where gloo's TCP transport throws from. gloo's errors reach Python as a plain RuntimeError (torch
-#: 2.11 types only c10d's own: NCCL errors and timeouts are DistBackendError, e.g. "NCCL communicator
-#: was aborted on rank 0." from any collective after an abort, seen on an H200; store and socket
-#: errors DistStoreError and DistNetworkError), so this one case is told by the source location gloo puts
-#: first in its message. Measured with real gloo processes: a SIGKILLed or exited peer gives
-#: "[.../gloo/transport/tcp/pair.cc:538] Read error ...: Connection reset by peer", a connection
-#: shut down (abort.close_gloo_connections, or the peer freeing its groups) "[.../pair.cc:547]
-#: Connection closed by peer", a stopped peer past the group timeout "[.../unbound_buffer.cc:78]
-#: Timed out waiting 4000ms for recv operation to complete" (tests/trainer/test_collective_errors.py).
-_GLOO_TRANSPORT_ERROR = re.compile(r"\[[^\]]*/gloo/transport/tcp/\w+\.cc:\d+\]")
-
-
-def is_collective_error(err: BaseException) -> bool:
-    """Whether a step's exception came from a failed or aborted collective (a peer died, hung or
-    the epoch was aborted), as opposed to a bug that no reconfiguration would fix: torch's typed
-    distributed errors, our own abort, and gloo's transport errors (untyped, see above). Anything
-    else fails the worker loudly rather than wait for a plan that no report of its asked for."""
-    if isinstance(err, StepAborted | dist.DistError):
-        return True
-    return type(err) is RuntimeError and _GLOO_TRANSPORT_ERROR.search(str(err)) is not None
 
 
 class Worker:
