@@ -1,7 +1,11 @@
 """The training worker: one process per GPU (or CPU slot) that trains a Megatron-Core GPT and
 reconfigures in place when the agent assigns a new :class:`~megatron_contract.mesh.MeshPlan`.
 
-Stages of one reconfiguration, each in its own module, composed by :mod:`.runtime`:
+The process is :class:`.runtime.Worker`: its threads and the state they share. Its main thread
+enters each plan's epoch (:mod:`.epoch_entry`) and trains in it (:mod:`.training_loop`); its
+watchdog and channel reader interrupt the epoch (:mod:`.progress_watch`).
+
+Stages of one reconfiguration, each in its own module, composed by :mod:`.epoch_entry`:
 
 - :mod:`.abort`: abort every communicator of the old epoch and drop every object that holds one;
 - :mod:`.rendezvous`: join the epoch's process groups (TCPStore client + prefix) and Megatron's

@@ -7,7 +7,8 @@ guarded by :class:`StepAborted`, so an aborted step leaves parameters and optimi
 
 On GPU the host waits for the step's collectives by polling an event (:func:`wait_for_stream`), not
 with a blocking synchronize: when the epoch is aborted the main thread gives the step up at once and
-aborts the communicators itself, before it would launch anything more on them (worker/runtime.py).
+aborts the communicators itself, before it would launch anything more on them
+(worker/progress_watch.py).
 """
 
 from __future__ import annotations

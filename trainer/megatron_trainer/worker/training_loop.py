@@ -1,0 +1,248 @@
+"""The training loop of a joined epoch: steps, progress and checkpoints reported to the agent, and
+what a failed step leaves behind.
+
+The loop runs until the job's last step, until a newer plan's resume step or shutdown, or until a
+step fails. A step (or a checkpoint save, which is collective) that fails for a collective reason is
+discarded: the worker leaves the epoch, reports the failure unless a newer plan caused it, and waits
+for the next plan. A suspend plan trains no step: it writes one checkpoint and waits for its pod to
+be deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_contract.mesh import MeshPlan
+from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, CollectiveFailed, PhaseTimes, Progress
+from megatron_trainer.faults import InjectedFault, InjectionPoint
+from megatron_trainer.worker import checkpoint
+from megatron_trainer.worker.collective_errors import is_collective_error
+from megatron_trainer.worker.lifecycle import WorkerState
+from megatron_trainer.worker.model import TrainState
+from megatron_trainer.worker.step import StepResult, train_step
+from megatron_trainer.worker.watchdog import Phase
+
+if TYPE_CHECKING:
+    from megatron_trainer.worker.runtime import Worker
+
+log = logging.getLogger("megatron_trainer.worker")
+
+
+def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
+    """Train ``plan``'s epoch from the state the join left in ``worker.ts``; ``phases`` (the
+    reconfiguration's timings) go to the agent with the first step's."""
+    assert worker.ts is not None
+    ts = worker.ts
+    dp_rank = plan.sizes.coords_of(worker.rank).dp
+    logs_samples = _logs_samples(worker, plan)
+    first = True
+    worker.limits.reset()  # the epoch's first step is a warm-up: the collective timeout watches it
+    while ts.step < worker.spec.training.train_iters:
+        with worker.lock:
+            nxt, shutdown = worker.pending_plan, worker.shutting_down
+        if shutdown or (nxt is not None and nxt.resume_step <= ts.step):
+            return  # the main loop enters the next plan (or shuts down)
+        if worker.aborted.is_set():  # by the watchdog between two steps
+            _on_step_failure(worker, plan, f"aborted: {worker.abort_reason}")
+            return
+        result = _run_step(worker, plan, ts, dp_rank)
+        if result is None:
+            return
+        with worker.lock:
+            worker.completed = ts.step
+        if first:
+            _report_phases(worker, plan, phases, result.seconds)
+            first = False
+        if logs_samples:
+            _log_samples(worker, plan, dp_rank, ts.step - 1, result.samples, result.loss)
+        worker.send(
+            Progress(
+                epoch=plan.epoch,
+                step=ts.step,
+                consumed_samples=ts.step * plan.batch.global_batch_size,
+                loss=result.loss,
+                step_time_seconds=result.seconds,
+                tokens_per_second=result.tokens / result.seconds if result.seconds > 0 else 0.0,
+            )
+        )
+        if worker.saver is not None and not _checkpoint_after_step(worker, plan):
+            return
+    if worker.saver is not None:
+        _report_checkpoint(worker, plan, worker.saver.finish(ts, plan.epoch, plan.sizes.model_dump()))
+    worker.move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
+
+
+def _run_step(worker: Worker, plan: MeshPlan, ts: TrainState, dp_rank: int) -> StepResult | None:
+    """One step, watched by the watchdog; None when it failed for a collective reason (then
+    handled, :func:`_on_step_failure`). Any other error is a bug or a bad configuration and raises:
+    no reconfiguration would fix it."""
+    failure: str | None = None
+    worker.out_of_step.clear()
+    step_index = ts.step
+    worker.marks.begin(Phase.DATA, step_index)
+    try:
+        result = train_step(
+            ts,
+            worker.source,
+            plan.batch,
+            dp_rank,
+            worker.device,
+            partial(worker.faults.maybe_fire, plan.epoch, worker.rank, step_index),
+            aborted=worker.aborted.is_set,
+            data_hook=partial(worker.faults.maybe_fire, plan.epoch, worker.rank, step_index, InjectionPoint.DATA_READ),
+            data_read=partial(worker.marks.begin, Phase.STEP, step_index),
+        )
+    except InjectedFault:
+        raise
+    except RuntimeError as err:
+        if not (worker.aborted.is_set() or is_collective_error(err)):
+            raise  # a bug or a bad configuration: no reconfiguration will fix it
+        failure = f"{type(err).__name__}: {err}"
+    finally:
+        compute_seconds = worker.marks.end()
+        worker.out_of_step.set()
+    if failure is not None:
+        _on_step_failure(worker, plan, failure)
+        return None
+    worker.limits.record(compute_seconds)  # not when it was a warm-up step (worker/watchdog.py)
+    return result
+
+
+def _report_phases(worker: Worker, plan: MeshPlan, phases: dict[str, float], first_step_seconds: float) -> None:
+    """The epoch's first step ends its reconfiguration: send the agent what each stage took."""
+    phases["first_step"] = first_step_seconds
+    last_abort = worker.last_abort
+    if last_abort is not None and last_abort.finished is not None:
+        phases["abort_nccl"] = last_abort.finished - last_abort.started
+    worker.last_abort = None
+    worker.send(PhaseTimes(epoch=plan.epoch, phases=phases))
+    log.info("epoch %d phases: %s", plan.epoch, {k: round(v, 4) for k, v in phases.items()})
+
+
+def save_and_stop(worker: Worker, plan: MeshPlan) -> None:
+    """A suspend plan: write a checkpoint of the step every member holds (agreed at verification),
+    report it, leave the epoch and wait, holding the state, for the operator to delete the pod
+    (or, should the checkpoint fail, for its next plan)."""
+    assert worker.ts is not None
+    ts = worker.ts
+    if worker.saver is None:
+        detail = "the job has no spec.checkpoint to write a suspend checkpoint to"
+        worker.send(CheckpointProblem(epoch=plan.epoch, step=ts.step, kind="failed", detail=detail))
+        worker.teardown()
+        worker.move(WorkerState.WAITING, detail, epoch=plan.epoch)
+        return
+    worker.out_of_step.clear()
+    try:
+        outcome = worker.saver.save_now(ts, plan.epoch, plan.sizes.model_dump())
+    except RuntimeError as err:
+        if not (worker.aborted.is_set() or is_collective_error(err)):
+            raise
+        worker.saver.abandon()
+        _on_step_failure(worker, plan, f"suspend checkpoint: {type(err).__name__}: {err}")
+        return
+    finally:
+        worker.out_of_step.set()
+    _report_checkpoint(worker, plan, outcome)
+    saved = any(done.step == ts.step for done in outcome.completed)
+    worker.teardown()
+    detail = f"suspended: checkpoint of step {ts.step} " + ("complete" if saved else "failed")
+    worker.move(WorkerState.WAITING, detail, epoch=plan.epoch)
+
+
+def _checkpoint_after_step(worker: Worker, plan: MeshPlan) -> bool:
+    """Start or complete a checkpoint after a step (collective; watched like a step); False
+    when a collective failed (the failure is then handled like a failed step)."""
+    assert worker.saver is not None and worker.ts is not None
+    worker.out_of_step.clear()
+    worker.marks.begin(Phase.CHECKPOINT, worker.ts.step)
+    try:
+        outcome = worker.saver.after_step(worker.ts, plan.epoch, plan.sizes.model_dump())
+        # After the save's collectives: the peers go on and wait for this rank in the next step.
+        worker.faults.maybe_fire(plan.epoch, worker.rank, worker.ts.step, InjectionPoint.CHECKPOINT)
+    except RuntimeError as err:
+        if not (worker.aborted.is_set() or is_collective_error(err)):
+            raise
+        worker.saver.abandon()
+        _on_step_failure(worker, plan, f"checkpoint: {type(err).__name__}: {err}")
+        return False
+    finally:
+        took = worker.marks.end()
+        worker.out_of_step.set()
+    if outcome.completed or worker.saver.in_flight is not None or took > worker.limits.step_limit() / 2:
+        worker.limits.warm_up_next()  # a save ran or is being written: the next step may be slow
+    _report_checkpoint(worker, plan, outcome)
+    return True
+
+
+def _report_checkpoint(worker: Worker, plan: MeshPlan, outcome: checkpoint.SaveOutcome) -> None:
+    """Tell the agent which saves completed, which one was skipped and which failed."""
+    assert worker.saver is not None
+    for done in outcome.completed:
+        worker.send(
+            CheckpointSaved(
+                epoch=plan.epoch,
+                step=done.step,
+                blocking_seconds=done.blocking_seconds,
+                total_seconds=done.total_seconds,
+                start_phases=done.start_phases,
+            )
+        )
+    if outcome.skipped is not None:
+        detail = f"the save of step {worker.saver.in_flight} was still being written"
+        worker.send(CheckpointProblem(epoch=plan.epoch, step=outcome.skipped, kind="skipped", detail=detail))
+    for step, why in outcome.failed:
+        worker.send(CheckpointProblem(epoch=plan.epoch, step=step, kind="failed", detail=why[:1000]))
+
+
+def _on_step_failure(worker: Worker, plan: MeshPlan, failure: str) -> None:
+    """The step failed or was aborted: discard it, free the groups, and report when it was
+    not our own decision (a newer plan) that stopped it."""
+    with worker.lock:
+        by_plan = worker.aborted.is_set() and worker.abort_reason.startswith("new plan")
+        if worker.aborted.is_set() and worker.abort_reason.startswith("hang") and "hang" not in failure:
+            failure = f"{worker.abort_reason} ({failure})"  # say why the collective failed
+        if worker.detected_at is None:
+            worker.detected_at, worker.detected_wall = time.monotonic(), time.time()
+            worker.abort_reason = failure
+    worker.aborted.set()  # late commits of this epoch must refuse
+    if worker.detected_at is not None:
+        worker.phases["step_exit"] = time.monotonic() - worker.detected_at
+    log.warning("epoch %d step %d discarded: %s", plan.epoch, worker.completed, failure)
+    worker.teardown(aborted=True)
+    if by_plan:
+        return
+    worker.send(CollectiveFailed(epoch=plan.epoch, reason=failure[:1000]))
+    worker.move(WorkerState.WAITING, failure[:200], epoch=plan.epoch)
+
+
+def _logs_samples(worker: Worker, plan: MeshPlan) -> bool:
+    """Whether this rank writes the samples it trained on: one rank per data-parallel replica (the
+    first of its tensor, context and pipeline groups), and only when a sample log is asked for."""
+    if not worker.sample_log_dir:
+        return False
+    c = plan.sizes.coords_of(worker.rank)
+    return c.tp == 0 and c.cp == 0 and c.pp == 0
+
+
+def _log_samples(
+    worker: Worker, plan: MeshPlan, dp_rank: int, step: int, samples: tuple[int, ...], loss: float
+) -> None:
+    """Append a committed step's sample indices to this process's sample log, one JSON line per step
+    (``MEGATRON_WORKER_SAMPLE_LOG``: tests and benchmarks check the sample accounting with it)."""
+    assert worker.sample_log_dir is not None
+    path = Path(worker.sample_log_dir) / f"{worker.pod}-{worker.local_rank}.jsonl"
+    record = {
+        "epoch": plan.epoch,
+        "step": step,
+        "dpRank": dp_rank,
+        "rank": worker.rank,
+        "samples": list(samples),
+        "loss": loss,
+    }
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
