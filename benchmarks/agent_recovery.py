@@ -6,19 +6,23 @@ its own with the standard ports, one GPU through ``CUDA_VISIBLE_DEVICES``) super
 Megatron-Core worker; the script plays the operator: a recording report endpoint takes the agents'
 heartbeats and reports, and plans are POSTed to the agents' control ports with the job's token.
 
-On two GPUs pods A and B train (DP 2); a worker of B is SIGKILLed inside a step, and once A's agent
-reports its failed collective the plan shrinks the job to A (DP 1, A's own state). With three or more
-GPUs a warm spare C waits, and the plan gives B's rank to C with its state from A (replace). Measured
-per fault, from the kill (wall clock, one host):
+On two GPUs pods A and B train (DP 2); a worker of B is SIGKILLed inside a step, and once B's agent
+reports its worker dead (the operator acts on a pod's own report at once) the plan shrinks the job to
+A (DP 1, A's own state). With three or more GPUs a warm spare C waits, and the plan gives B's rank to
+C with its state from A (replace). A fault comes only once the epoch trained ``STEADY_STEPS`` steps,
+so that the survivors' hang watchdog has the epoch's step time (before that a stalled collective is
+allowed the collective timeout, and A's own report would take that long). Measured per fault, from
+the kill (wall clock, one host):
 
 - ``b_report_s``: B's agent reports its own worker dead (exit seen, report sent, arrived);
-- ``a_report_s``: A's agent reports its failed collective (the worker's step fails, its agent reports);
+- ``a_report_s``: A's agent reports its failed collective, when it does before the new plan ends
+  its step (null otherwise);
 - ``push_s``: the plan POSTed to every member, each agent's answer in (the operator's push);
 - ``first_step_s``: every member's agent shows a step of the new epoch (``/v1/state`` polled);
 - the members' own phases of the new epoch (the agents' ``lastRecovery``).
 
 The operator's share (a report -> a plan stored and pushed) is ``operator_recovery.py``'s; here the plan
-goes out as soon as A's report arrives.
+goes out as soon as B's report arrives.
 
     python benchmarks/agent_recovery.py --gpus 2 --faults 3 --out result.json
 
@@ -47,8 +51,11 @@ from trainer_recovery import add_job_args, job_spec, percentile  # noqa: E402
 from worker_harness import wait_for  # noqa: E402
 
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind  # noqa: E402
+from megatron_trainer.worker.watchdog import MIN_RECORDED_STEPS  # noqa: E402
 
 READY_TIMEOUT = 900.0  # a ~1 B model's workers import, build and warm up
+#: Steps an epoch trains before a fault: its first (a warm-up) and the watchdog's recorded steps.
+STEADY_STEPS = 1 + MIN_RECORDED_STEPS + 1
 
 
 def _training(agent: AgentProcess, epoch: int, after: int) -> dict[str, Any] | None:
@@ -95,14 +102,16 @@ def main() -> int:
             plan = make_plan(spec, [a.pod, b.pod], epoch=epoch, store=a.pod)
             for agent in (a, b):
                 assert agent.post_plan(plan)[0] == 200
+            start = 0  # the epoch's first step
             wait_for(lambda: _training(a, epoch, 3) and _training(b, epoch, 3), 600, "three steps of epoch 1")
             for n in range(args.faults):
-                row = _fault(n, rng, spec, operator, a, b, c, epoch)
+                row = _fault(n, rng, spec, operator, a, b, c, epoch, start + STEADY_STEPS)
                 rows.append(row)
-                epoch = row["epoch"]
+                epoch, start = row["epoch"], row["resume_step"]
+                a_report = "none" if row["a_report_s"] is None else f"{row['a_report_s']:.3f}s"
                 print(
                     f"fault {n} ({row['plan']}): B's report {row['b_report_s']:.3f}s, A's report "
-                    f"{row['a_report_s']:.3f}s, pushed {row['push_s']:.3f}s, first step {row['first_step_s']:.3f}s"
+                    f"{a_report}, pushed {row['push_s']:.3f}s, first step {row['first_step_s']:.3f}s"
                     f" | " + " ".join(f"{k} {v:.3f}" for k, v in row["phases"].items()),
                     flush=True,
                 )
@@ -118,6 +127,7 @@ def main() -> int:
                     continue
                 b.wait_ready(READY_TIMEOUT)
                 epoch, boundary = epoch + 1, (a.state().get("step") or 0) + 3
+                start = boundary
                 grow = make_plan(
                     spec,
                     [a.pod, b.pod],
@@ -133,11 +143,12 @@ def main() -> int:
     finally:
         operator.close()
 
-    summary = {
-        key: {"p50_s": statistics.median(r[key] for r in rows), "p95_s": percentile([r[key] for r in rows], 95)}
-        for key in ("b_report_s", "a_report_s", "push_s", "first_step_s")
-    }
-    summary["n"] = len(rows)  # type: ignore[assignment]
+    summary: dict[str, Any] = {}
+    for key in ("b_report_s", "a_report_s", "push_s", "first_step_s"):
+        values = [r[key] for r in rows if r[key] is not None]
+        summary[key] = {"p50_s": statistics.median(values), "p95_s": percentile(values, 95)} if values else None
+    summary["n"] = len(rows)
+    summary["a_reports"] = sum(r["a_report_s"] is not None for r in rows)
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "faults": rows, "args": vars(args)}, default=str))
@@ -153,8 +164,11 @@ def _fault(
     b: AgentProcess,
     c: AgentProcess | None,
     epoch: int,
+    steady: int,
 ) -> dict[str, Any]:
-    """SIGKILL B's worker inside a step; shrink to A, or give B's rank to C; time each part."""
+    """Once the epoch reached step ``steady``, SIGKILL B's worker inside a step; on B's report,
+    shrink to A, or give B's rank to C; time each part."""
+    wait_for(lambda: _training(a, epoch, steady - 1), 600, f"step {steady} of epoch {epoch}")
     seen = a.state().get("step") or 0
     state = wait_for(lambda: _training(a, epoch, seen), 120, "a step boundary")
     step_time = state.get("stepTimeSeconds") or 0.0
@@ -162,7 +176,6 @@ def _fault(
     killed_at = time.time()
     os.kill(b.worker_pid(0), signal.SIGKILL)
     own = operator.wait_report(b.pod.name, lambda r: any(f.epoch == epoch for f in r.failed_peers), 120, "B's report")
-    peer = operator.wait_report(a.pod.name, lambda r: any(f.epoch == epoch for f in r.failed_peers), 120, "A's report")
     resume = a.state().get("step") or 0
     members = [a] if c is None else [a, c]
     sources = {} if c is None else {1: StateSource(rank=1, kind=StateSourceKind.PEER, peer_rank=0)}
@@ -177,6 +190,7 @@ def _fault(
     pushed_at = time.time()
     wait_for(lambda: all(_training(m, epoch + 1, resume) for m in members), 600, "the first step of the new plan")
     done_at = time.time()
+    peer = next((r for r in operator.reports_from(a.pod.name) if any(f.epoch == epoch for f in r.failed_peers)), None)
     phases: dict[str, float] = {}
     for m in members:
         recovery = m.state().get("lastRecovery") or {}
@@ -187,7 +201,7 @@ def _fault(
         "epoch": epoch + 1,
         "plan": reason.value,
         "b_report_s": operator.arrival_of(own) - killed_at,
-        "a_report_s": operator.arrival_of(peer) - killed_at,
+        "a_report_s": None if peer is None else operator.arrival_of(peer) - killed_at,
         "push_s": pushed_at - push_start,
         "first_step_s": done_at - killed_at,
         "plan_to_first_step_s": done_at - pushed_at,

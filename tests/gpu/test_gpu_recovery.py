@@ -76,4 +76,4 @@ def test_two_gpus_shrink_and_grow_in_place(tmp_path: Path) -> None:
 def test_two_gpus_recovery_through_the_real_agents(tmp_path: Path) -> None:
     result = run_script("agent_recovery.py", tmp_path / "agent.json", "--faults", "2", gpus=2)
     assert [r["plan"] for r in result["faults"]] == ["shrink", "shrink"]
-    assert all(0 < r["a_report_s"] < r["first_step_s"] for r in result["faults"])
+    assert all(0 < r["b_report_s"] < r["first_step_s"] for r in result["faults"])

@@ -42,7 +42,7 @@ def test_two_gpus_loss_parity_through_a_shrink_and_a_grow(tmp_path: Path) -> Non
 
 def test_recovery_through_the_real_agents_reports_each_share(tmp_path: Path) -> None:
     """``agent_recovery.py --gpus 2``: real agent processes supervise the workers; a killed worker's
-    agent and its peer's agent report to the recording operator, and the plan pushed to the control
+    agent reports to the recording operator, and the plan pushed to the control
     port brings the job back (a shrink, then a new pod grows it for the next fault)."""
     result = run_benchmark(
         "agent_recovery.py", tmp_path / "agent.json", "--gpus", "2", "--faults", "2", *TINY, cpu=True
@@ -50,5 +50,6 @@ def test_recovery_through_the_real_agents_reports_each_share(tmp_path: Path) -> 
     rows = result["faults"]
     assert [(r["fault"], r["plan"], r["epoch"]) for r in rows] == [(0, "shrink", 2), (1, "shrink", 4)]
     for r in rows:
-        assert 0 < r["b_report_s"] < r["first_step_s"] and 0 < r["a_report_s"] < r["first_step_s"]
+        assert 0 < r["b_report_s"] < r["first_step_s"]
+        assert r["a_report_s"] is None or 0 < r["a_report_s"] < r["first_step_s"]
         assert r["push_s"] > 0 and r["phases"]["rebuild"] > 0 and r["phases"]["first_step"] > 0
