@@ -96,7 +96,13 @@ def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator,
         assert (failure.epoch, failure.pod, failure.rank) == (1, "pod-b", spec.tp)  # B's first rank
         if case.fault is signal.SIGSTOP:
             assert "hung" in failure.reason
-            assert detected < 20, f"stopped worker killed after {detected:.1f}s (collective timeout 30 s)"
+            if "last alive in data" in failure.reason or "last alive in checkpoint" in failure.reason:
+                # Stopped inside a data read or a save, which may hold the interpreter lock for long:
+                # by design the hang timeout decides (collective timeout + grace, 37.5 s), not the
+                # short limit of a stopped step.
+                assert detected < 45, f"stopped worker killed after {detected:.1f}s: {failure.reason}"
+            else:
+                assert detected < 20, f"stopped worker killed after {detected:.1f}s: {failure.reason}"
             print(f"SIGSTOP -> B's agent reported its stopped worker after {detected:.2f}s")
         wait_for(lambda: b.process.poll() is not None, 60, "B's agent to exit")
         assert b.process.returncode == 1

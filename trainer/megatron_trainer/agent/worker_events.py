@@ -191,9 +191,13 @@ class WorkerEvents:
     def on_hung(self, handle: WorkerHandle, silent_seconds: float) -> None:
         """Kill a worker the supervisor found silent for too long; its exit is handled as a failure."""
         self._agent.metrics.worker_kills.labels(reason="hung").inc()
+        # The phase of its last Alive says which limit applied (a data read or a save is allowed
+        # the hang timeout: supervisor.stopped_silence).
+        alive = handle.last_alive
+        last = f", last alive in {alive.phase}" if alive is not None and alive.phase else ""
         self._agent.supervisor.kill(
             handle,
-            f"hung: silent for {silent_seconds:.1f}s while {handle.phase.value} "
+            f"hung: silent for {silent_seconds:.1f}s while {handle.phase.value}{last} "
             f"(limit {self._silence_limit(handle):g}s)",
         )
 
