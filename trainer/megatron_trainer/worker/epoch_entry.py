@@ -53,7 +53,7 @@ def enter(worker: Worker, plan: MeshPlan) -> None:
         )
     begin = time.perf_counter()
     worker.move(WorkerState.RECONFIGURING, f"entering epoch {plan.epoch}", epoch=plan.epoch)
-    worker.teardown(aborted=worker.aborted.is_set())
+    worker.teardown(aborted=worker.aborted.is_set(), moving=True)
     phases = _start_phases(worker)
     worker.rank = member.ranks[worker.local_rank]
     if not EpochJoin(worker, plan, phases, begin).run():

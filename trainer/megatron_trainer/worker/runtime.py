@@ -222,11 +222,15 @@ class Worker:
             plan, self.pending_plan = self.pending_plan, None
             return plan
 
-    def teardown(self, aborted: bool = False) -> None:
+    def teardown(self, aborted: bool = False, moving: bool = False) -> None:
         """Leave the current epoch: keep the state tensors, drop everything holding a group.
 
         After an abort on NCCL the groups are forgotten, not destroyed: destroying would wait
-        ~1 s for the aborts to finish (worker/abort.py)."""
+        ~1 s for the aborts to finish (worker/abort.py). So are they when the worker is ``moving``
+        into its next epoch at a step boundary (a growth, a migration): destroying Megatron's
+        groups in line took 1.7-2.0 s of a growth on 2xH200, which every survivor and the
+        newcomer waited for; the aborts retire them on background threads while the next epoch
+        is built (nothing is in flight on them at a boundary)."""
         if self.ts is None and self.epoch == 0 and not dist.is_initialized():
             return
         start = time.perf_counter()
@@ -236,7 +240,7 @@ class Worker:
         t = time.perf_counter()
         gc.collect()  # frames of the failed step may still reference modules
         self.phases["abort_gc"] = time.perf_counter() - t
-        if aborted and self.backend == "nccl":
+        if (aborted or moving) and self.backend == "nccl":
             self.last_abort = abort.start_abort()  # may already run (see progress_watch.interrupt)
             abort.forget_process_groups()
         else:
