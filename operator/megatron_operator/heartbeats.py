@@ -163,12 +163,10 @@ class HeartbeatBook:
         seen = self._last.get(job_uid, {})
         if not any(hb.report.state is AgentState.SUCCEEDED for hb in seen.values()):
             return False
-        writing = (
-            p
+        return not any(
+            p in seen and seen[p].report.state is AgentState.TRAINING and (seen[p].report.step or 0) >= train_iters
             for p in members
-            if p in seen and seen[p].report.state is AgentState.TRAINING and (seen[p].report.step or 0) >= train_iters
         )
-        return next(writing, None) is None
 
     def forget(self, job_uid: str, pods: Iterable[str] | None = None) -> None:
         """Drop what is known of some pods of a job (all of the job when ``pods`` is None)."""
