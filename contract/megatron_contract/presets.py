@@ -3,8 +3,9 @@
 Each preset is the set of ``spec.model`` fields (camelCase, as on the wire) that define the
 architecture; fields a job gives next to a preset override it. The shapes follow the published
 configurations of the models they are named after; ``PUBLISHED_PARAMETERS`` holds the parameter
-count each publication states, which a test compares with the count of the Megatron-Core model
-built from the preset. Vocabularies are padded where the original is not divisible by 128 (as
+count each publication states, and ``CHECKPOINT_PARAMETERS`` the exact count of the published
+checkpoints, which tests compare with the count of the Megatron-Core model built from the preset
+and with :mod:`megatron_contract.parameters`. Vocabularies are padded where the original is not divisible by 128 (as
 Megatron-LM's ``--make-vocab-size-divisible-by 128`` does), so tensor parallelism up to 128 splits
 them evenly.
 """
@@ -104,4 +105,13 @@ PUBLISHED_PARAMETERS: dict[ModelPreset, float] = {
     ModelPreset.LLAMA3_8B: 8.03e9,
     ModelPreset.LLAMA3_70B: 70.6e9,
     ModelPreset.QWEN25_7B: 7.61e9,
+}
+
+# Exact parameter counts of the published checkpoints (their safetensors' total), where the preset
+# is their architecture exactly. GPT-3 Small's vocabulary is padded here, so only its rounded figure applies.
+CHECKPOINT_PARAMETERS: dict[ModelPreset, int] = {
+    ModelPreset.LLAMA3_1B: 1_235_814_400,
+    ModelPreset.LLAMA3_8B: 8_030_261_248,
+    ModelPreset.LLAMA3_70B: 70_553_706_496,
+    ModelPreset.QWEN25_7B: 7_615_616_512,
 }

@@ -20,19 +20,11 @@ import pytest
 import torch
 
 from megatron_contract.job import MegatronJobSpec, Precision
-from megatron_contract.presets import PUBLISHED_PARAMETERS, ModelPreset
+from megatron_contract.presets import CHECKPOINT_PARAMETERS, PUBLISHED_PARAMETERS, ModelPreset
 from megatron_trainer.worker.model import check_supported, has_apex, has_transformer_engine
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Exact parameter counts of the published checkpoints (their safetensors' total), where the preset
-# is their architecture exactly. GPT-3 Small's vocabulary is padded here, so only its rounded figure applies.
-EXACT = {
-    ModelPreset.LLAMA3_1B: 1_235_814_400,
-    ModelPreset.LLAMA3_8B: 8_030_261_248,
-    ModelPreset.LLAMA3_70B: 70_553_706_496,
-    ModelPreset.QWEN25_7B: 7_615_616_512,
-}
 SMALL_LLAMA = {
     "numLayers": 3,
     "hiddenSize": 64,
@@ -72,8 +64,10 @@ def test_preset_parameter_count_matches_the_publication(counts: dict[str, int], 
     got = counts[preset.value]
     published = PUBLISHED_PARAMETERS[preset]
     assert abs(got - published) / published < 0.005, f"{preset}: built {got:,}, published {published:,.0f}"
-    if preset in EXACT:
-        assert got == EXACT[preset], f"{preset}: built {got:,}, the published checkpoint has {EXACT[preset]:,}"
+    if preset in CHECKPOINT_PARAMETERS:
+        assert got == CHECKPOINT_PARAMETERS[preset], (
+            f"{preset}: built {got:,}, the published checkpoint has {CHECKPOINT_PARAMETERS[preset]:,}"
+        )
 
 
 def test_depth_extrapolation_equals_a_whole_cpu_build() -> None:

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_contract.host_memory import ADAM_BYTES_PER_ELEMENT
 from megatron_trainer.worker.reshard import (
-    ADAM_BYTES_PER_ELEMENT,
     BufferLayout,
     _SizedParam,
     reshard_cost,

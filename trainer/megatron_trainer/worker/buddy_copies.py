@@ -6,7 +6,8 @@ them point to point: this rank's snapshot to its buddy, its ward's into this ran
 started after an optimizer step and finished later (the next step's compute runs meanwhile); only
 a finished refresh counts as a complete copy. Two generations are kept, so while a refresh is in
 flight the previous complete one is still whole: a failure then goes back to it (the plan says how
-many steps are redone). Not yet wired into the training loop.
+many steps are redone). The host memory this takes per pod is
+``megatron_contract.host_memory.pod_copy_bytes``. Not yet wired into the training loop.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_contract.host_memory import BUDDY_GENERATIONS
 
 
 @dataclasses.dataclass
@@ -29,7 +32,7 @@ class _Generation:
 class BuddyCopies:
     """This rank's generations of host copies, and the refresh in flight."""
 
-    def __init__(self, rank: int, buddy: int, ward: int, generations: int = 2) -> None:
+    def __init__(self, rank: int, buddy: int, ward: int, generations: int = BUDDY_GENERATIONS) -> None:
         if rank in (buddy, ward):
             raise ValueError(f"rank {rank} cannot keep its own copy (buddy {buddy}, ward {ward})")
         if generations < 2:

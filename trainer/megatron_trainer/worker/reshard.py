@@ -19,8 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-#: Bytes of optimizer state per parameter element: fp32 main parameter and Adam's two moments.
-ADAM_BYTES_PER_ELEMENT = 12
+from megatron_contract.host_memory import ADAM_BYTES_PER_ELEMENT
 
 
 @dataclasses.dataclass(frozen=True)
