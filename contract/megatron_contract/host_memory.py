@@ -54,7 +54,7 @@ def rank_copy_bytes(spec: MegatronJobSpec, dp: int) -> int:
     for stage in range(spec.pp):
         p = rank_parameters(spec.model, spec.tp, spec.pp, spec.ep, stage)
         # MoE routers are created in fp32 and may get a buffer of their own.
-        dense = shard_elements(p.dense, shards, buffers=2 if p.expert else 1)
+        dense = shard_elements(p.dense, shards, buffers=2 if spec.model.num_experts else 1)
         heaviest = max(heaviest, dense + shard_elements(p.expert, shards // spec.ep))
     return BUDDY_GENERATIONS * 2 * ADAM_BYTES_PER_ELEMENT * heaviest
 

@@ -8,8 +8,9 @@ are written out here, following megatron-core's GPTModel with TP=PP splits as Me
 biases, learned positions and the MoE router replicated; layers split evenly over pp; experts over
 ep). tests/trainer/test_parameters.py compares them, tensor by tensor, with the model built.
 
-The element counts are what the distributed optimizer lays out in its buffers: expert tensors in
-a buffer of their own, sharded over the expert-data-parallel ranks, the rest in the dense buffer.
+The element counts are what the distributed optimizer lays out in its buffers: with ep > 1 expert
+tensors in a buffer of their own, sharded over the expert-data-parallel ranks, the rest in the
+dense buffer.
 A job with ``spec.model.modelProvider`` builds a model of its own: its sizes are unknown here.
 """
 
@@ -47,7 +48,12 @@ def rank_parameters(model: ModelSpec, tp: int, pp: int, ep: int, stage: int) -> 
     for _ in range(model.num_layers // pp):
         layer_dense, layer_expert = _layer(model, tp, ep)
         dense += layer_dense
-        expert += layer_expert
+        # megatron-core gives experts the expert data-parallel group (a buffer of their own) only
+        # with ep > 1; else they are reduced with everything else.
+        if ep > 1:
+            expert += layer_expert
+        else:
+            dense += layer_expert
     if stage == pp - 1:
         dense += _norm(model, h)
         # Megatron ties the output layer to the embedding only on one stage (worker.model.build_gpt).

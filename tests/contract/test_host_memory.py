@@ -63,6 +63,8 @@ def test_moe_experts_are_split_over_ep_into_their_own_buffer() -> None:
     # Two experts of 4 per layer on an ep rank, each SwiGLU fc1 (2*128 x 64) and fc2 (64 x 128).
     assert one.expert == (2 * 128 * 64, 64 * 128) * 2 * 4
     assert 4 * 64 in one.dense  # the router, whole on every rank
+    together = rank_parameters(model, tp=1, pp=1, ep=1, stage=0)  # ep 1: experts reduced with the rest
+    assert together.expert == () and together.total == sum(one.dense) + 2 * sum(one.expert)
 
 
 def test_shard_padding_bound_matches_megatrons_layout_of_two_tensors() -> None:

@@ -9,7 +9,9 @@ and 2: every layer has the same size, so the full count is ``P(1) + (L - 1) * (P
 
 prints one JSON object per preset: ``{"preset", "numLayers", "parameters"}``; ``--model JSON``
 (a small ``spec.model``) prints its extrapolated count and the count of the model built whole with
-real tensors on the CPU, which the tests compare.
+real tensors on the CPU, which the tests compare; ``--tensors JSON`` prints the element counts of its
+parameter tensors in model order, ``dense`` and ``expert`` (those DDP puts in the expert-parallel
+buffer), which tests compare with :mod:`megatron_contract.parameters`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ def built_parameters(model: dict[str, Any], device: str = "meta") -> int:
     return sum(p.numel() for p in gpt.parameters())
 
 
+def built_tensors(model: dict[str, Any]) -> dict[str, list[int]]:
+    """Element counts of the parameters of the model built whole on the meta device, in model order,
+    split as DDP splits them: expert parameters (``allreduce`` False) and the rest."""
+    from megatron_trainer.worker.model import build_gpt, transformer_config
+
+    spec = MegatronJobSpec(image="count", replicas=1, model=model)
+    with torch.device("meta"):
+        gpt = build_gpt(spec, transformer_config(spec, torch.device("cpu"), initialize=False))
+    out: dict[str, list[int]] = {"dense": [], "expert": []}
+    for p in gpt.parameters():
+        out["dense" if getattr(p, "allreduce", True) else "expert"].append(p.numel())
+    return out
+
+
 def count_parameters(model: dict[str, Any]) -> int:
     """Parameters of the model that ``spec.model`` = ``model`` (wire form) describes, at full depth.
     Needs Megatron's parallel state (see :func:`main`)."""
@@ -50,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", action="append", default=[], help="a spec.model as JSON; also printed built whole on the CPU"
     )
+    parser.add_argument("--tensors", action="append", default=[], help="a spec.model as JSON: its tensors' sizes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         from megatron_trainer import cpu_compat
@@ -66,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         model = json.loads(text)
         counts = {"extrapolated": count_parameters(model), "cpu": built_parameters(model, "cpu")}
         print(json.dumps({"model": model, **counts}), flush=True)
+    for text in args.tensors:
+        print(json.dumps({"model": json.loads(text), **built_tensors(json.loads(text))}), flush=True)
     return 0
 
 

@@ -76,6 +76,10 @@ class BuddyCopies:
         if self._generations:
             self._generations[-1].complete = True
 
+    def host_bytes(self) -> int:
+        """Bytes of host memory the copies hold (every generation, own and ward's)."""
+        return sum(t.numel() * t.element_size() for g in self._generations for t in (*g.own, *g.ward))
+
     @property
     def in_flight(self) -> bool:
         return bool(self._requests)
