@@ -738,6 +738,9 @@ class ConditionType(enum.StrEnum):
     #: it is being suspended or resumed, or when a suspension could not write its checkpoint (the reason
     #: says which). Absent until the job is first suspended.
     SUSPENDED = "Suspended"
+    #: Only with the distributed optimizer's buddy copies: True while the trainer container's memory
+    #: request is below the host memory they need per pod (a warning: the job runs).
+    HOST_MEMORY_SHORT = "HostMemoryShort"
 
 
 class Condition(OpenWireModel):

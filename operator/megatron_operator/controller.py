@@ -38,6 +38,7 @@ from megatron_operator.delivery import PlanDelivery
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.goodput import GoodputLedger
 from megatron_operator.heartbeats import HeartbeatBook
+from megatron_operator.host_memory import host_memory_condition
 from megatron_operator.planner import Outcome, Placement
 from megatron_operator.push import PlanPusher
 from megatron_operator.queueing import Gate, QueueGate, Verdict
@@ -817,6 +818,8 @@ class JobController:
     ) -> None:
         members = {m.pod for m in plan.members} if plan is not None else set()
         step = self.book.completed_step(self.job.uid, members)
+        short = condition(self.status, ConditionType.HOST_MEMORY_SHORT)
+        host_memory = host_memory_condition(spec, short)
         obs = Observation(
             phase=phase,
             reason=reason,
@@ -835,8 +838,11 @@ class JobController:
             checkpoint_step=self._checkpoint_step(),
             generation=generation,
             suspended=suspended,
+            host_memory=host_memory,
         )
         self.status = await self.writer.write(self.status, obs, members, now, force)
+        if host_memory is not None and host_memory[0] and (short is None or short.status != "True"):
+            self._post([("Warning", host_memory[1], host_memory[2])])  # once per turn to True
 
     def _post(self, events: list[tuple[str, str, str]]) -> None:
         for type_, reason, message in events:

@@ -3,7 +3,8 @@
 Status is computed whole, compared with the old one and written once when it differs; fields
 another version of the operator wrote are carried over unchanged. Ready,
 Recovering, Failed and Succeeded are mutually exclusive: setting one True sets the others False
-in the same write (as jobset's ``exclusiveConditions``). Degraded and SparesExhausted stand alone.
+in the same write (as jobset's ``exclusiveConditions``). Degraded, SparesExhausted and
+HostMemoryShort stand alone.
 A condition keeps its ``lastTransitionTime`` until its status flips.
 """
 
@@ -73,6 +74,11 @@ class Reason:
     SUSPEND_CHECKPOINT_TIMED_OUT = "SuspendCheckpointTimedOut"
     RESUMING = "Resuming"
     RESUMED = "Resumed"
+    # The HostMemoryShort condition (host_memory.py), and its Warning event.
+    HOST_MEMORY_SHORT = "HostMemoryShort"
+    HOST_MEMORY_SUFFICIENT = "HostMemorySufficient"
+    MEMORY_NOT_REQUESTED = "MemoryNotRequested"
+    NO_BUDDY_COPIES = "NoBuddyCopies"
     # Events.
     PLAN_CREATED = "PlanCreated"
     PLAN_PUSHED = "PlanPushed"
@@ -123,6 +129,7 @@ class Observation:
     checkpoint_step: int | None = None
     generation: int | None = None
     suspended: tuple[bool, str, str] | None = None  # the Suspended condition to set; None: as it was
+    host_memory: tuple[bool, str, str] | None = None  # the HostMemoryShort condition to set; None: as it was
 
 
 def set_condition(
@@ -218,6 +225,8 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
 
     if obs.suspended is not None:
         conditions = set_condition(conditions, ConditionType.SUSPENDED, *obs.suspended, now, obs.generation)
+    if obs.host_memory is not None:
+        conditions = set_condition(conditions, ConditionType.HOST_MEMORY_SHORT, *obs.host_memory, now, obs.generation)
 
     desired = len(obs.plan.members) if obs.plan is not None else 0
     terminal = obs.phase in (JobPhase.SUCCEEDED, JobPhase.FAILED)

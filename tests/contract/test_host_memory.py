@@ -7,7 +7,7 @@ one GPU per pod) needs 29,659,693,056 bytes per pod, by hand; the size the need 
 the smallest with two pods; no need without the distributed optimizer, with a model of one's own,
 or on one pod; quantities parse as Kubernetes reads them; the memory request is taken from where
 the operator takes the trainer's resources (the comparison with the pods it builds is in
-tests/operator/test_host_memory.py; with megatron-core's real layouts in tests/trainer/test_parameters.py).
+tests/operator/test_host_memory_condition.py; with megatron-core's real layouts in tests/trainer/test_parameters.py).
 """
 
 from __future__ import annotations
