@@ -11,10 +11,12 @@ the ranks it is sharded over: dp*cp for the dense buffer, dp*cp/ep for the exper
 reduction) each buffer is one bucket; the sizes here bound that padding from above.
 
 The operator compares the pod's memory request with this need and says so in the job's
-``HostMemoryShort`` condition. It warns rather than refuses at admission: a memory request is not a
-limit (the container may use more), the need depends on the data-parallel size the elastic job
-runs at, and the parameter arithmetic with presets, MoE and tp/pp splits is too large for a CEL
-rule within the API server's cost budget.
+``HostMemoryShort`` condition. It warns rather than refuses at admission, though a CEL rule could
+(Kubernetes v1.33, the local API server, accepts ``quantity(...).asInteger() >= <int arithmetic>``
+in a CRD rule): the trainers do not make the copies yet, so a refusal would turn away jobs that
+train today; a memory request is not a limit (the container may use more); the need depends on
+the data-parallel size the elastic job runs at; and the rule would restate this arithmetic
+(presets, MoE, tp/pp splits, padding) in a second language.
 """
 
 from __future__ import annotations
