@@ -10,6 +10,8 @@ model of one's own, one pod) the condition is absent, or False once it was set.
 
 from __future__ import annotations
 
+import functools
+
 from megatron_contract.host_memory import HostMemoryNeed, host_memory_need
 from megatron_contract.job import Condition, MegatronJobSpec
 from megatron_operator.status import Reason
@@ -20,7 +22,7 @@ _WHAT = "of host memory for the distributed optimizer's buddy copies"
 def host_memory_condition(spec: MegatronJobSpec, old: Condition | None) -> tuple[bool, str, str] | None:
     """(status, reason, message) of ``HostMemoryShort`` for ``spec``; None: leave it absent."""
     try:
-        need = host_memory_need(spec)
+        need = _need(spec.model_dump_json())
     except ValueError as exc:  # a memory quantity the API server let through but not read here
         return False, Reason.MEMORY_NOT_REQUESTED, f"the trainer container's memory request cannot be read: {exc}"
     if need is None:
@@ -29,6 +31,12 @@ def host_memory_condition(spec: MegatronJobSpec, old: Condition | None) -> tuple
     if need.request is None:
         return False, Reason.MEMORY_NOT_REQUESTED, f"{wanted}; the trainer container requests no memory"
     return _compare(need, wanted)
+
+
+@functools.lru_cache(maxsize=1024)
+def _need(spec_json: str) -> HostMemoryNeed | None:
+    """Computed once per spec: every status write asks, and a large MoE spec lists millions of tensors."""
+    return host_memory_need(MegatronJobSpec.model_validate_json(spec_json))
 
 
 def _compare(need: HostMemoryNeed, wanted: str) -> tuple[bool, str, str]:
