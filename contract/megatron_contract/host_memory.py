@@ -6,8 +6,8 @@ the previous complete copy (``megatron_trainer.worker.buddy_copies``). A shard i
 main parameter, ``exp_avg`` and ``exp_avg_sq``: 12 bytes per element of the rank's slice of every
 optimizer buffer (``megatron_trainer.worker.optimizer_shards``). Megatron lays a buffer out with
 every parameter start aligned to 64 elements and its end padded to a multiple of lcm(D, 128), D
-the ranks it is sharded over: dp*cp for the dense buffer, dp*cp/ep for the experts'
-(``megatron_trainer.worker.reshard``). With the trainer's DDP settings (no overlapped gradient
+the ranks it is sharded over: dp*cp for the dense buffer, dp*cp/ep for the experts' (their own
+buffer only with ep > 1) (``megatron_trainer.worker.reshard``). With the trainer's DDP settings (no overlapped gradient
 reduction) each buffer is one bucket; the sizes here bound that padding from above.
 
 The operator compares the pod's memory request with this need and says so in the job's
@@ -39,8 +39,9 @@ _BUCKET_ALIGN = 128  # megatron-core's bucket_end_divisor: lcm(D, 128)
 
 
 def shard_elements(tensors: tuple[int, ...], shards: int, buffers: int = 1) -> int:
-    """Elements of one rank's shard of the buffer(s) holding ``tensors``, split over ``shards``
-    ranks: at most this many (the 64-element alignment of each start taken at its worst)."""
+    """Elements of one rank's shard of the ``buffers`` buffer(s) holding ``tensors``, split over
+    ``shards`` ranks: at most this many (each start's 64-element alignment and each buffer's end
+    padding taken at their worst)."""
     if not tensors:
         return 0
     unaligned = sum(tensors) + (_PARAM_ALIGN - 1) * (len(tensors) - 1)
@@ -62,9 +63,8 @@ def rank_copy_bytes(spec: MegatronJobSpec, dp: int) -> int:
 
 
 def pod_copy_bytes(spec: MegatronJobSpec, dp: int) -> int:
-    """Host bytes of a pod's buddy copies at data-parallel size ``dp``: gpusPerPod ranks (a pod
-    whose ranks all belong to the heaviest stage: the ranks of one pod are one stage unless a pod
-    holds whole replicas)."""
+    """Host bytes of a pod's buddy copies at data-parallel size ``dp``, at most: gpusPerPod ranks of
+    the heaviest stage (a pod's ranks are of one stage unless it holds whole replicas)."""
     return spec.gpus_per_pod * rank_copy_bytes(spec, dp)
 
 
