@@ -6,7 +6,8 @@ median`` of the recent steps, never below the floor (at least 5 s on gloo) nor a
 timeout, and a new epoch forgets the old times; a multiple of 0 turns it off; a stalled step is judged at
 its limit, not before; a data read or a save is allowed the collective timeout and announces itself
 to the peers through the store; a stalled rank that sees such an announcement postpones its verdict
-by one limit and then decides; a store that fails counts as nobody busy; delay faults fire at
+by one limit and then decides; a store that fails counts as nobody busy, and one whose host is
+stopped holds up no verdict; delay faults fire at
 their injection point only; shutting down a process's TCP connections frees a gloo collective
 blocked on a stopped peer (two real processes).
 """
@@ -14,16 +15,18 @@ blocked on a stopped peer (two real processes).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 from worker_harness import REPO, make_spec
 
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectionPoint
-from megatron_trainer.worker.watchdog import HangWatch, PeerActivity, Phase, PhaseMark, StepLimit
+from megatron_trainer.worker.watchdog import STORE_CALL_SECONDS, HangWatch, PeerActivity, Phase, PhaseMark, StepLimit
 
 
 def limits(multiple: float = 3.0, floor: float = 1.0, timeout: float = 30.0) -> StepLimit:
@@ -161,6 +164,42 @@ def test_an_unreadable_store_counts_as_nobody_busy() -> None:
     broken.announce()  # logged, not raised
     assert watch.check(mark(Phase.STEP), 100.6, broken) is None
     assert watch.check(mark(Phase.STEP), 101.1, broken) is not None
+
+
+STORE_HOST = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_store_host_does_not_hold_up_the_verdict() -> None:
+    """The store's host (an agent) stopped: a TCPStore request would block past its timeout; the
+    watchdog's requests give up after STORE_CALL_SECONDS and it judges the stall on time."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        activity = PeerActivity(client)
+        assert activity.read() == 0
+        host.send_signal(signal.SIGSTOP)
+        lim = warmed(limits(), 0.2, 0.2, 0.2)  # limit 1 s
+        watch = HangWatch(lim)
+        start = time.monotonic()
+        assert watch.check(mark(Phase.STEP), 100.6, activity) is None  # halfway: the baseline, unanswered
+        verdict = watch.check(mark(Phase.STEP), 101.1, activity)  # at the limit: a verdict at once
+        took = time.monotonic() - start
+        assert verdict is not None and "no progress" in verdict, verdict
+        assert took < STORE_CALL_SECONDS + 1.0, f"the watchdog waited {took:.1f}s for a stopped store"
+        activity.announce()  # returns at once while the earlier request is still blocked
+        assert time.monotonic() - start < STORE_CALL_SECONDS + 1.0
+    finally:
+        host.kill()
+        host.wait(10)
 
 
 def test_delay_faults_fire_at_their_point_only() -> None:

@@ -60,6 +60,9 @@ BUSY_KEY = "watchdog/busy"
 #: phase has run that long: a stalled peer's two readings, half a limit apart, always straddle one.
 ANNOUNCE_DIVISOR = 5
 
+#: How long the watchdog waits for one request to the busy counter (:class:`PeerActivity`).
+STORE_CALL_SECONDS = 1.0
+
 
 class Phase(enum.StrEnum):
     """What the main thread is doing while training."""
@@ -164,27 +167,51 @@ class ProgressMarks:
 class PeerActivity:
     """Through the epoch's store: announce that this rank is alive but busy, and see whether any
     peer did. One counter for the whole epoch, so a reading costs one store request whatever the
-    world size; only slow phases write, and only stalled ranks read."""
+    world size; only slow phases write, and only stalled ranks read.
+
+    Each request runs on a thread of its own and is waited for at most :data:`STORE_CALL_SECONDS`:
+    the store's host (an agent) may be stopped or cut off, and a TCPStore request then blocks
+    past the client's timeout (measured: still blocked after 20 s with a 5 s timeout). Blocked
+    there, the watchdog would never reach its verdict. A request that has not returned counts as
+    unreadable, and so does every later one until it returns."""
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store
         self._baseline: int | None = None
+        self._blocked: threading.Thread | None = None  # a request that did not return in time
 
     def announce(self) -> None:
-        """This rank is alive, in a phase that may keep its peers waiting (a store error is ignored:
-        the peers then decide as if nobody were busy)."""
-        try:
-            self.store.add(BUSY_KEY, 1)
-        except Exception as err:  # the store may be gone with its host: detection goes on
-            log.warning("could not announce a busy phase: %s", err)
+        """This rank is alive, in a phase that may keep its peers waiting (a failed request is
+        logged: the peers then decide as if nobody were busy)."""
+        self._add(1, "announce a busy phase")
 
     def read(self) -> int | None:
         """The counter now (``add`` of 0 never blocks on a missing key); None when unreadable."""
-        try:
-            return int(self.store.add(BUSY_KEY, 0))
-        except Exception as err:  # an unreadable store proves no peer alive
-            log.warning("could not read the peers' busy counter: %s", err)
+        return self._add(0, "read the peers' busy counter")
+
+    def _add(self, amount: int, what: str) -> int | None:
+        if self._blocked is not None and self._blocked.is_alive():
             return None
+        answer: list[int | Exception] = []
+
+        def request() -> None:
+            try:
+                answer.append(int(self.store.add(BUSY_KEY, amount)))
+            except Exception as err:  # the store may be gone with its host: detection goes on
+                answer.append(err)
+
+        thread = threading.Thread(target=request, name="busy-counter", daemon=True)
+        thread.start()
+        thread.join(STORE_CALL_SECONDS)
+        if thread.is_alive():
+            self._blocked = thread
+            log.warning("could not %s: no answer from the store in %gs", what, STORE_CALL_SECONDS)
+            return None
+        value = answer[0]
+        if isinstance(value, Exception):
+            log.warning("could not %s: %s", what, value)
+            return None
+        return value
 
     def set_baseline(self) -> None:
         """Remember the counter; :meth:`busy_since_baseline` compares against it."""
