@@ -6,16 +6,30 @@ them point to point: this rank's snapshot to its buddy, its ward's into this ran
 started after an optimizer step and finished later (the next step's compute runs meanwhile); only
 a finished refresh counts as a complete copy. Two generations are kept, so while a refresh is in
 flight the previous complete one is still whole: a failure then goes back to it (the plan says how
-many steps are redone). Not yet wired into the training loop.
+many steps are redone).
+
+The training loop (worker/training_loop.py) refreshes after every ``replicaIntervalSteps``-th step
+when the plan asks for buddies. The exchange runs on gloo connections of its own, one per pair of
+ranks that exchange (:func:`exchange_links`), made with the epoch's groups: its point-to-point
+traffic never interleaves with the training collectives, and on GPU it moves host memory on gloo's
+threads without touching the GPU's streams or NCCL (which sends device memory only). Pairs, not a
+world group: gloo connects every pair of a group's ranks, so a world group would hold a connection
+to every rank of the job where a rank talks to two. They are bare gloo backends on the epoch's
+store, not torch groups: ``new_group`` names a group made by its members alone from how many groups
+each member already has, which differs along a ring of buddies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_contract.mesh import MeshPlan
 
 
 @dataclasses.dataclass
@@ -29,21 +43,33 @@ class _Generation:
 class BuddyCopies:
     """This rank's generations of host copies, and the refresh in flight."""
 
-    def __init__(self, rank: int, buddy: int, ward: int, generations: int = 2) -> None:
+    def __init__(
+        self,
+        rank: int,
+        buddy: int,
+        ward: int,
+        generations: int = 2,
+        links: tuple[PairLink, PairLink] | None = None,
+    ) -> None:
+        """``links``: the connections to the buddy and from the ward (None: the default group)."""
         if rank in (buddy, ward):
             raise ValueError(f"rank {rank} cannot keep its own copy (buddy {buddy}, ward {ward})")
         if generations < 2:
             raise ValueError("two generations at least: the previous copy must survive a refresh in flight")
         self.rank, self.buddy, self.ward = rank, buddy, ward
+        self._links = links
         self._limit = generations
         self._generations: list[_Generation] = []  # oldest first
         self._requests: list[dist.Work] = []
+        self._closed = False
 
     def start_refresh(self, step: int, shards: Sequence[torch.Tensor]) -> None:
         """Copy ``shards`` (this rank's, after ``step`` steps) to host memory and start exchanging:
         every rank of the world calls this for the same step (sends and receives pair up)."""
         if self._requests:
             raise RuntimeError(f"rank {self.rank}: a refresh is still in flight")
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
         if self._generations and step <= self._generations[-1].step:
             raise ValueError(f"refresh of step {step} after one of step {self._generations[-1].step}")
         reuse = self._generations.pop(0) if len(self._generations) >= self._limit else None
@@ -61,9 +87,15 @@ class BuddyCopies:
         if pin:
             torch.cuda.current_stream().synchronize()  # the snapshot is whole before it is sent
         self._generations.append(_Generation(step, own, ward))
-        ops = [dist.P2POp(dist.isend, t, self.buddy, tag=i) for i, t in enumerate(own)]
-        ops += [dist.P2POp(dist.irecv, t, self.ward, tag=i) for i, t in enumerate(ward)]
-        self._requests = list(dist.batch_isend_irecv(ops))
+        self._requests = self._exchange(own, ward)
+
+    def _exchange(self, own: list[torch.Tensor], ward: list[torch.Tensor]) -> list[dist.Work]:
+        if self._links is None:
+            ops = [dist.P2POp(dist.isend, t, self.buddy, tag=i) for i, t in enumerate(own)]
+            ops += [dist.P2POp(dist.irecv, t, self.ward, tag=i) for i, t in enumerate(ward)]
+            return list(dist.batch_isend_irecv(ops))
+        to_buddy, from_ward = self._links
+        return [to_buddy.send(t, i) for i, t in enumerate(own)] + [from_ward.recv(t, i) for i, t in enumerate(ward)]
 
     def finish_refresh(self) -> None:
         """Wait for the exchange in flight; its generation is then complete."""
@@ -73,9 +105,23 @@ class BuddyCopies:
         if self._generations:
             self._generations[-1].complete = True
 
+    def abandon(self) -> None:
+        """Give up the refresh in flight (its exchange failed, or the epoch is left): its generation
+        is dropped, the complete ones stay. The links are let go (freeing them closes their
+        connections): no refresh can start after this."""
+        self._requests = []
+        if self._generations and not self._generations[-1].complete:
+            self._generations.pop()
+        self._links = None
+        self._closed = True
+
     @property
     def in_flight(self) -> bool:
         return bool(self._requests)
+
+    def host_bytes(self) -> int:
+        """Host memory the generations hold now (own snapshots and ward copies)."""
+        return sum(t.numel() * t.element_size() for g in self._generations for t in (*g.own, *g.ward))
 
     def complete_steps(self) -> list[int]:
         """Steps of the complete copies this rank holds, newest first (what its agent reports)."""
@@ -104,3 +150,45 @@ def ward_of(buddies: Sequence[int]) -> list[int]:
             raise ValueError(f"the buddies are not a permutation of the ranks: {list(buddies)}")
         ward[buddy] = rank
     return ward
+
+
+@dataclasses.dataclass(frozen=True)
+class PairLink:
+    """A gloo connection between two ranks: this rank's end."""
+
+    backend: Any  # a dist.ProcessGroupGloo; torch's stubs omit the send and recv it binds
+    peer: int  # the other rank's index in the pair (0 or 1)
+
+    def send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.backend.send([tensor], self.peer, tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.backend.recv([tensor], self.peer, tag)
+
+
+def exchange_links(
+    store: dist.Store, rank: int, buddy: int, ward: int, timeout: timedelta
+) -> tuple[PairLink, PairLink]:
+    """Connections to ``buddy`` and from ``ward`` (one when they are the same rank), through the
+    epoch's ``store``. Making one waits for its other rank, so every rank makes its pairs in the order
+    of the pairs' ranks, the same on every rank: no ring of ranks waits for each other."""
+    to_buddy, from_ward = (min(rank, buddy), max(rank, buddy)), (min(ward, rank), max(ward, rank))
+    made = {}
+    for pair in sorted({to_buddy, from_ward}):
+        prefixed = dist.PrefixStore(f"buddy-copies/{pair[0]}-{pair[1]}/", store)
+        made[pair] = PairLink(dist.ProcessGroupGloo(prefixed, pair.index(rank), 2, timeout), 1 - pair.index(rank))
+    return made[to_buddy], made[from_ward]
+
+
+def buddy_and_ward(plan: MeshPlan, rank: int) -> tuple[int, int] | None:
+    """``rank``'s buddy and ward in ``plan``; None when the plan keeps no buddy copies."""
+    state = plan.optimizer_state
+    if state is None or not state.buddies:
+        return None
+    buddies: list[int] = []
+    for r in range(plan.sizes.world):
+        buddy = plan.buddy_of(r)
+        if buddy is None:
+            return None  # one pod: no buddy (a valid plan then says buddies false)
+        buddies.append(buddy)
+    return buddies[rank], ward_of(buddies)[rank]
