@@ -4,8 +4,13 @@ Scenario (4 processes, buddies a ring 0->1->2->3->0): refreshes of steps 1 and 2
 step 3 is started (in step 1's buffers) and, while in flight, the complete copy is still that
 of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
 yet a copy and a second refresh is refused; once finished, steps 3 and 2 are kept and step 1 is
-gone (two generations). Bad buddy assignments are refused without processes. Every process a test starts is
-waited for, and killed if it outlives the test.
+gone (two generations). Bad buddy assignments are refused without processes.
+
+A ward that dies before its refresh (2 processes on their own gloo pair links, as the training loop
+makes them): the survivor's wait for its copy fails with an error the worker takes for a failed
+collective, well within the links' timeout; the copy it held before stays complete.
+
+Every process a test starts is waited for, and killed if it outlives the test.
 """
 
 from __future__ import annotations
@@ -15,6 +20,39 @@ from worker_harness import run_rank_scripts
 
 from localcluster.cluster import free_port
 from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
+
+_DYING_WARD = r"""
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+from megatron_trainer.worker.buddy_copies import BuddyCopies, exchange_links
+from megatron_trainer.worker.collective_errors import is_collective_error
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+links = exchange_links(store, rank, 1 - rank, 1 - rank, datetime.timedelta(seconds=60))
+copies = BuddyCopies(rank, 1 - rank, 1 - rank, links=links)
+copies.start_refresh(1, [torch.full((64, 3), float(rank))])
+copies.finish_refresh()
+store.set(f"done/{rank}", "1")
+store.wait(["done/0", "done/1"])
+if rank == 1:
+    print("{}", flush=True)
+    os._exit(0)  # gone before the next refresh; its sockets close with it
+time.sleep(1)
+start = time.monotonic()
+out = {}
+try:
+    copies.start_refresh(2, [torch.full((64, 3), 2.0)])
+    copies.finish_refresh()
+    out["error"] = None
+except RuntimeError as err:
+    out["error"], out["collective"] = str(err)[:200], is_collective_error(err)
+    copies.abandon()
+out["seconds"] = time.monotonic() - start
+out["steps"] = copies.complete_steps()
+out["ward_copy_1"] = copies.ward_copy(1)[0][0, 0].item()
+print(json.dumps(out), flush=True)
+"""
 
 _RANK = r"""
 import datetime, json, sys
@@ -92,3 +130,15 @@ def test_bad_buddy_assignments_are_refused() -> None:
         BuddyCopies(rank=0, buddy=0, ward=1)
     with pytest.raises(ValueError, match="two generations"):
         BuddyCopies(rank=0, buddy=1, ward=1, generations=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ward_lost_before_its_refresh_fails_the_wait_as_a_collective_does() -> None:
+    port = free_port()
+    result, gone = run_rank_scripts(_DYING_WARD, lambda r: [str(r), str(port)], 2, timeout=240)
+    assert gone == {}
+    assert result["error"] is not None, "the wait for a dead ward's copy succeeded"
+    assert result["collective"], result["error"]
+    assert result["seconds"] < 30, "the wait ran into the links' timeout instead of failing at once"
+    assert result["steps"] == [1] and result["ward_copy_1"] == 1.0

@@ -9,6 +9,11 @@ finished, its own snapshot and its ward's copy. Each ward copy equals, element f
 shards its ward had after that step; every loss equals a run of the same job without copies, bit
 for bit; each worker tells its agent the complete copies it holds after every refresh, two
 generations at most, newest first.
+
+Second scenario: ``replicaIntervalSteps`` 2, and a plan of the same pods that takes over at a step
+boundary (epoch 2). The refresh in flight at the boundary completes before the epoch is left;
+epoch 2 starts with no copies and refreshes at its own even steps, each ward copy again its ward's
+shards.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from worker_harness import MakeCluster, WorkerCluster, make_spec
 
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
+from megatron_contract.mesh import PlanReason
 from megatron_trainer.channel import ReplicaSteps
 from megatron_trainer.worker.settings import ENV_COPY_LOG
 
@@ -57,6 +63,23 @@ def same(a: object, b: object) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def check_copies(logs: Path, steps: list[int]) -> None:
+    """Every rank's copies of each of ``steps``: its own shards and its ward's (the ring's r-1)."""
+    world = len(PODS)
+    for rank in range(world):
+        ward = (rank - 1) % world
+        for step in steps:
+            copies = load(logs / f"copies-{rank}-{step}.pt")
+            assert copies["ward_rank"] == ward
+            assert same(copies["own"], load(logs / f"state-{rank}-{step}.pt")["shards"]), (rank, step)
+            assert same(copies["ward"], load(logs / f"state-{ward}-{step}.pt")["shards"]), (rank, step)
+        # The shards change every step: the comparisons above could not pass with a stale copy.
+        first, second = steps[:2]
+        assert not same(
+            load(logs / f"state-{rank}-{first}.pt")["shards"], load(logs / f"state-{rank}-{second}.pt")["shards"]
+        )
+
+
 def test_every_step_each_ward_copy_is_its_wards_shard_and_losses_are_unchanged(
     tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
@@ -69,16 +92,7 @@ def test_every_step_each_ward_copy_is_its_wards_shard_and_losses_are_unchanged(
     assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
     assert losses == reference, "the copies changed training"
 
-    world = len(PODS)
-    for rank in range(world):
-        ward = (rank - 1) % world
-        for step in range(1, TRAIN_ITERS + 1):
-            copies = load(logs / f"copies-{rank}-{step}.pt")
-            assert copies["ward_rank"] == ward
-            assert same(copies["own"], load(logs / f"state-{rank}-{step}.pt")["shards"]), (rank, step)
-            assert same(copies["ward"], load(logs / f"state-{ward}-{step}.pt")["shards"]), (rank, step)
-        # The shards change every step: the comparisons above could not pass with a stale copy.
-        assert not same(load(logs / f"state-{rank}-1.pt")["shards"], load(logs / f"state-{rank}-2.pt")["shards"])
+    check_copies(logs, list(range(1, TRAIN_ITERS + 1)))
 
     for worker in with_copies.workers():
         held = [(m.epoch, m.steps) for m in worker.of_type(ReplicaSteps)]
@@ -86,3 +100,35 @@ def test_every_step_each_ward_copy_is_its_wards_shard_and_losses_are_unchanged(
         # start then drops the older of two generations), the last one once training ended.
         assert held == [(1, []), (1, [1]), (1, [2]), (1, [3]), (1, [4, 3])], worker.name
     assert not any(w.of_type(ReplicaSteps) for w in without.workers()), "no copies when the plan asks for none"
+
+
+def test_a_new_epoch_at_a_step_boundary_starts_fresh_copies_every_interval(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    iters = 12
+    logs = tmp_path / "copies"
+    logs.mkdir()
+    spec = buddy_spec(tmp_path / "ckpt", interval=2, train_iters=iters)
+    cluster = make_cluster(spec, tmp_path / "run", {ENV_COPY_LOG: str(logs)})
+    cluster.boot(PODS)
+    cluster.assign(cluster.plan(PODS, buddies=True))
+    cluster.wait_steps(PODS, 2)
+    boundary = max(w.last_step() for w in cluster.workers()) + 2
+    assert boundary < iters - 2, "too fast for the test: epoch 2 would not refresh twice"
+    cluster.assign(cluster.plan(PODS, resume_step=boundary, reason=PlanReason.MIGRATE, buddies=True))
+    cluster.wait_succeeded(PODS)
+
+    last_even = boundary - boundary % 2
+    for worker in cluster.workers():
+        held = [(m.epoch, m.steps) for m in worker.of_type(ReplicaSteps)]
+        first = [steps for epoch, steps in held if epoch == 1]
+        second = [steps for epoch, steps in held if epoch == 2]
+        assert held == [(1, s) for s in first] + [(2, s) for s in second], worker.name
+        # Epoch 1 refreshed at its even steps; the last one was finished before it was left.
+        assert first[-1] == [last_even, last_even - 2] if last_even >= 4 else [2], (worker.name, first)
+        # Epoch 2 began with nothing: its first refresh is its first even step past the boundary.
+        assert second[0] == [], (worker.name, second)
+        assert all(s > boundary for steps in second for s in steps), (worker.name, second)
+        assert second[-1] == [iters, iters - 2], (worker.name, second)
+    check_copies(logs, list(range(2, iters + 1, 2)))
+    assert not list(logs.glob("copies-*-3.pt")), "a refresh at an odd step"
