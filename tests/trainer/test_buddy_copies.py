@@ -1,6 +1,7 @@
 """Host copies of optimizer shards kept by buddies (worker/buddy_copies.py), in real gloo processes.
 
-Scenario (4 processes, buddies a ring 0->1->2->3->0): refreshes of steps 1 and 2 finish; the one of
+Scenario (4 processes, buddies a ring 0->1->2->3->0, the ranks' shards of different shapes and
+numbers, as at different model-parallel positions): refreshes of steps 1 and 2 finish; the one of
 step 3 is started (in step 1's buffers) and, while in flight, the complete copy is still that
 of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
 yet a copy and a second refresh is refused; once finished, steps 3 and 2 are kept and step 1 is
@@ -67,12 +68,15 @@ ward = ward_of(buddies)[rank]
 copies = BuddyCopies(rank, buddies[rank], ward)
 
 def shards(r, step):
-    return [torch.full((5, 3), 100.0 * r + step), torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) + r + step]
+    # Shapes and numbers of shards differ by rank, as at another model-parallel position.
+    counting = torch.arange((7 + 2 * r) * 3, dtype=torch.float32).reshape(-1, 3) + r + step
+    return [torch.full((5 + r, 3), 100.0 * r + step), counting] + [torch.full((3, 3), -float(step))] * (r % 2)
+
+def equal(got, want):
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 def holds(step):
-    return all(torch.equal(a, b) for a, b in zip(copies.own(step), shards(rank, step))) and all(
-        torch.equal(a, b) for a, b in zip(copies.ward_copy(step), shards(ward, step))
-    )
+    return equal(copies.own(step), shards(rank, step)) and equal(copies.ward_copy(step), shards(ward, step))
 
 out = {}
 for step in (1, 2):

@@ -31,6 +31,15 @@ import torch.distributed as dist
 
 from megatron_contract.mesh import MeshPlan
 
+#: Tags of the shape exchange, past those of the shards (one per shard, from 0).
+_SHAPES_TAG = 1 << 20
+
+
+def _two_dims(shard: torch.Tensor) -> tuple[int, int]:
+    if shard.dim() != 2:
+        raise ValueError(f"a flat shard has two dimensions (rows, columns), not {tuple(shard.shape)}")
+    return shard.shape[0], shard.shape[1]
+
 
 @dataclasses.dataclass
 class _Generation:
@@ -62,6 +71,7 @@ class BuddyCopies:
         self._generations: list[_Generation] = []  # oldest first
         self._requests: list[dist.Work] = []
         self._closed = False
+        self._ward_shapes: list[torch.Size] | None = None  # learnt at the first refresh
 
     def start_refresh(self, step: int, shards: Sequence[torch.Tensor]) -> None:
         """Copy ``shards`` (this rank's, after ``step`` steps) to host memory and start exchanging:
@@ -72,30 +82,48 @@ class BuddyCopies:
             raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
         if self._generations and step <= self._generations[-1].step:
             raise ValueError(f"refresh of step {step} after one of step {self._generations[-1].step}")
+        if self._ward_shapes is None:
+            self._ward_shapes = self._exchange_shapes(shards)
         reuse = self._generations.pop(0) if len(self._generations) >= self._limit else None
         pin = torch.cuda.is_available() and any(s.is_cuda for s in shards)
-        own, ward = [], []
-        for i, shard in enumerate(shards):
-            if reuse is not None and reuse.own[i].shape == shard.shape:
-                host_own, host_ward = reuse.own[i], reuse.ward[i]
-            else:
-                host_own = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin)
-                host_ward = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin)
-            host_own.copy_(shard, non_blocking=pin)
-            own.append(host_own)
-            ward.append(host_ward)
+        if reuse is not None and [t.shape for t in reuse.own] == [s.shape for s in shards]:
+            own, ward = reuse.own, reuse.ward  # the ward's shapes are the epoch's: only own's may change
+        else:
+            own = [torch.empty(s.shape, dtype=s.dtype, pin_memory=pin) for s in shards]
+            dtype = shards[0].dtype if shards else torch.float32
+            ward = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape in self._ward_shapes]
+        for host, shard in zip(own, shards, strict=True):
+            host.copy_(shard, non_blocking=pin)
         if pin:
             torch.cuda.current_stream().synchronize()  # the snapshot is whole before it is sent
         self._generations.append(_Generation(step, own, ward))
-        self._requests = self._exchange(own, ward)
+        requests = [self._send(t, i) for i, t in enumerate(own)]
+        self._requests = requests + [self._recv(t, i) for i, t in enumerate(ward)]
 
-    def _exchange(self, own: list[torch.Tensor], ward: list[torch.Tensor]) -> list[dist.Work]:
-        if self._links is None:
-            ops = [dist.P2POp(dist.isend, t, self.buddy, tag=i) for i, t in enumerate(own)]
-            ops += [dist.P2POp(dist.irecv, t, self.ward, tag=i) for i, t in enumerate(ward)]
-            return list(dist.batch_isend_irecv(ops))
-        to_buddy, from_ward = self._links
-        return [to_buddy.send(t, i) for i, t in enumerate(own)] + [from_ward.recv(t, i) for i, t in enumerate(ward)]
+    def _exchange_shapes(self, shards: Sequence[torch.Tensor]) -> list[torch.Size]:
+        """Send the buddy the shapes of this rank's shards and receive the ward's (once per epoch,
+        blocking): a ward at another model-parallel position (one replica over several pods) has
+        shards of other sizes, and maybe another number of them."""
+        mine = torch.tensor([len(shards), *(n for s in shards for n in _two_dims(s))], dtype=torch.int64)
+        count = torch.zeros(1, dtype=torch.int64)
+        sent = [self._send(mine[:1].clone(), _SHAPES_TAG), self._recv(count, _SHAPES_TAG)]
+        for request in sent:
+            request.wait()
+        dims = torch.zeros(2 * int(count.item()), dtype=torch.int64)
+        sent = [self._send(mine[1:].clone(), _SHAPES_TAG + 1), self._recv(dims, _SHAPES_TAG + 1)]
+        for request in sent:
+            request.wait()
+        return [torch.Size(pair) for pair in dims.view(-1, 2).tolist()]
+
+    def _send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        work = self._links[0].send(tensor, tag) if self._links else dist.isend(tensor, self.buddy, tag=tag)
+        assert work is not None  # None only for a rank outside the group, never the world's
+        return work
+
+    def _recv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        work = self._links[1].recv(tensor, tag) if self._links else dist.irecv(tensor, self.ward, tag=tag)
+        assert work is not None
+        return work
 
     def finish_refresh(self) -> None:
         """Wait for the exchange in flight; its generation is then complete."""
