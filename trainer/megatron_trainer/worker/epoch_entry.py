@@ -45,6 +45,7 @@ def enter(worker: Worker, plan: MeshPlan) -> None:
     member = plan.member(worker.pod)
     if member is None:
         worker.teardown()
+        worker.copies = None  # no plan takes a shard from a spare's copies: free their host memory
         worker.epoch = 0
         worker.move(WorkerState.SPARE, f"not a member of epoch {plan.epoch}", epoch=plan.epoch)
         return
