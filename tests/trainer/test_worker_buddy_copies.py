@@ -8,7 +8,8 @@ on the wrong rank. With ``replicaIntervalSteps`` 1, every step's refresh is logg
 finished, its own snapshot and its ward's copy. Each ward copy equals, element for element, the
 shards its ward had after that step; every loss equals a run of the same job without copies, bit
 for bit; each worker tells its agent the complete copies it holds after every refresh, two
-generations at most, newest first.
+generations at most, newest first. The epoch's log line names buddy, ward and interval, and the
+host memory of the rank's own snapshots.
 
 Second scenario: ``replicaIntervalSteps`` 2, and a plan of the same pods that takes over at a step
 boundary (epoch 2). The refresh in flight at the boundary completes before the epoch is left;
@@ -100,6 +101,12 @@ def test_every_step_each_ward_copy_is_its_wards_shard_and_losses_are_unchanged(
         # start then drops the older of two generations), the last one once training ended.
         assert held == [(1, []), (1, [1]), (1, [2]), (1, [3]), (1, [4, 3])], worker.name
     assert not any(w.of_type(ReplicaSteps) for w in without.workers()), "no copies when the plan asks for none"
+    for rank, worker in enumerate(with_copies.workers()):
+        # The epoch's log line gives the host memory of its own snapshots, both generations.
+        snapshot = sum(t.numel() * t.element_size() for t in load(logs / f"copies-{rank}-1.pt")["own"])
+        line = f"buddy copies every 1 steps, sent to rank {(rank + 1) % 3}, kept for rank {(rank - 1) % 3}"
+        text = worker.log_path.read_text()
+        assert f"{line}: host memory" in text and f"({2 * snapshot} bytes) for 2 generations" in text, worker.name
 
 
 def test_a_new_epoch_at_a_step_boundary_starts_fresh_copies_every_interval(

@@ -31,6 +31,9 @@ import torch.distributed as dist
 
 from megatron_contract.mesh import MeshPlan
 
+#: Generations kept: the newest complete copy survives a refresh in flight.
+GENERATIONS = 2
+
 #: Tags of the shape exchange, past those of the shards (one per shard, from 0).
 _SHAPES_TAG = 1 << 20
 
@@ -57,7 +60,7 @@ class BuddyCopies:
         rank: int,
         buddy: int,
         ward: int,
-        generations: int = 2,
+        generations: int = GENERATIONS,
         links: tuple[PairLink, PairLink] | None = None,
     ) -> None:
         """``links``: the connections to the buddy and from the ward (None: the default group)."""

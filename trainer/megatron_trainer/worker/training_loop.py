@@ -36,11 +36,11 @@ from megatron_trainer.channel import (
 )
 from megatron_trainer.faults import InjectedFault, InjectionPoint
 from megatron_trainer.worker import checkpoint
-from megatron_trainer.worker.buddy_copies import BuddyCopies, buddy_and_ward
+from megatron_trainer.worker.buddy_copies import GENERATIONS, BuddyCopies, buddy_and_ward
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
-from megatron_trainer.worker.optimizer_shards import flat_shards
+from megatron_trainer.worker.optimizer_shards import STATE_KEYS, buffer_layouts, flat_shards
 from megatron_trainer.worker.step import StepResult, train_step
 from megatron_trainer.worker.watchdog import Phase
 
@@ -143,9 +143,26 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     pair = buddy_and_ward(plan, worker.rank)
     links = worker.copy_links
     worker.copies = None if pair is None or links is None else BuddyCopies(worker.rank, *pair, links=links)
-    if worker.copies is None or plan.optimizer_state is None:
+    if worker.copies is None or plan.optimizer_state is None or worker.ts is None:
         return 0
-    return plan.optimizer_state.replica_interval_steps
+    interval = plan.optimizer_state.replica_interval_steps
+    # The ward's shards are as large where it sits at the same model-parallel position (two units or
+    # more, MeshPlan.buddy_of); their size is learnt at the first refresh.
+    rows = sum(b.shard_numel for b in buffer_layouts(worker.ts.optimizer))
+    own_bytes = GENERATIONS * rows * (1 + len(STATE_KEYS)) * 4  # fp32 rows (optimizer_shards.flat_shards)
+    log.info(
+        "epoch %d rank %d: buddy copies every %d steps, sent to rank %d, kept for rank %d: host memory "
+        "%.3f GB (%d bytes) for %d generations of its own shards, and its ward's",
+        plan.epoch,
+        worker.rank,
+        interval,
+        worker.copies.buddy,
+        worker.copies.ward,
+        own_bytes / 1e9,
+        own_bytes,
+        GENERATIONS,
+    )
+    return interval
 
 
 def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool) -> bool:
