@@ -17,6 +17,11 @@ Second scenario (three pods of one worker): ``replicaIntervalSteps`` 2, and a pl
 that takes over at a step boundary (epoch 2). The refresh in flight at the boundary completes
 before the epoch is left; epoch 2 starts with no copies and refreshes at its own even steps, each
 ward copy again its ward's shards.
+
+Third scenario (three pods of one worker, interval 1): the worker of pod c is SIGKILLed in step 3,
+after the refreshes of steps 1 and 2 completed and while that of step 3 is in flight. The
+survivors leave the epoch and report the failed collective (nothing hangs on the copies); the last
+copies they said they hold are those of step 2, the refresh in flight never counted.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_harness import MakeCluster, WorkerCluster, make_spec
+from worker_harness import MakeCluster, WorkerCluster, fault_env, make_spec, wait_for
 
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_trainer.channel import ReplicaSteps
+from megatron_trainer.channel import CollectiveFailed, ReplicaSteps
+from megatron_trainer.faults import Fault, FaultPlan
 from megatron_trainer.worker.buddy_copies import buddy_and_ward
 from megatron_trainer.worker.settings import ENV_COPY_LOG
 
@@ -168,3 +174,19 @@ def test_a_new_epoch_at_a_step_boundary_starts_fresh_copies_every_interval(
         assert second[-1] == [iters, iters - 2], (worker.name, second)
     check_copies(logs, plan, list(range(2, iters + 1, 2)))
     assert not list(logs.glob("copies-*-3.pt")), "a refresh at an odd step"
+
+
+def test_a_pod_lost_during_a_refresh_leaves_the_previous_copies_and_nothing_hangs(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    faults = FaultPlan().fail_at(rank=2, step=3, fault=Fault.SIGKILL)  # in step 3: steps 0-2 are done
+    cluster = make_cluster(buddy_spec(tmp_path / "ckpt", train_iters=8), tmp_path, fault_env(tmp_path, faults))
+    cluster.boot(PODS)
+    cluster.assign(cluster.plan(PODS, buddies=True))
+    cluster.fail_pod_on_injected_kill("c", 0, timeout=120, survivors=["a", "b"])
+    for worker in cluster.workers(["a", "b"]):
+        assert [m.epoch for m in worker.of_type(CollectiveFailed)] == [1], worker.name
+        held = [(m.epoch, m.steps) for m in worker.of_type(ReplicaSteps)]
+        assert held == [(1, []), (1, [1]), (1, [2])], worker.name
+        # Then it waits for the next plan (its status follows the report).
+        wait_for(lambda w=worker: w.states()[-1] == "reconfiguring", 30, f"{worker.name} waiting for a plan")
