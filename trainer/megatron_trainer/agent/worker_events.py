@@ -1,9 +1,9 @@
 """What the workers tell the agent, and what it does about it.
 
 The supervisor's callbacks: a worker's messages (Hello, status, progress, checkpoints, phase
-times, failed collectives, buddy copies held), its hang and its exit, and the restart that follows within the pod's
-budget. Each moves the worker's phase, updates what the pod reports, and wakes the heartbeat when
-the operator must hear at once.
+times, failed collectives, buddy copies held), its hang and its exit, and the restart that follows
+within the pod's budget. Each moves the worker's phase, updates what the pod reports, and wakes the
+heartbeat when the operator must hear at once.
 """
 
 from __future__ import annotations

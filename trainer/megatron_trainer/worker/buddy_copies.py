@@ -150,10 +150,6 @@ class BuddyCopies:
     def in_flight(self) -> bool:
         return bool(self._requests)
 
-    def host_bytes(self) -> int:
-        """Host memory the generations hold now (own snapshots and ward copies)."""
-        return sum(t.numel() * t.element_size() for g in self._generations for t in (*g.own, *g.ward))
-
     def complete_steps(self) -> list[int]:
         """Steps of the complete copies this rank holds, newest first (what its agent reports)."""
         return [g.step for g in reversed(self._generations) if g.complete]
