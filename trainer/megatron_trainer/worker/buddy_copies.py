@@ -73,6 +73,7 @@ class BuddyCopies:
         self._limit = generations
         self._generations: list[_Generation] = []  # oldest first
         self._requests: list[dist.Work] = []
+        self._receives: list[dist.Work] = []  # of the ward's copy, among the requests
         self._closed = False
         self._ward_shapes: list[torch.Size] | None = None  # learnt at the first refresh
 
@@ -100,8 +101,8 @@ class BuddyCopies:
         if pin:
             torch.cuda.current_stream().synchronize()  # the snapshot is whole before it is sent
         self._generations.append(_Generation(step, own, ward))
-        requests = [self._send(t, i) for i, t in enumerate(own)]
-        self._requests = requests + [self._recv(t, i) for i, t in enumerate(ward)]
+        self._receives = [self._recv(t, i) for i, t in enumerate(ward)]
+        self._requests = [self._send(t, i) for i, t in enumerate(own)] + self._receives
 
     def _exchange_shapes(self, shards: Sequence[torch.Tensor]) -> list[torch.Size]:
         """Send the buddy the shapes of this rank's shards and receive the ward's (once per epoch,
@@ -132,15 +133,32 @@ class BuddyCopies:
         """Wait for the exchange in flight; its generation is then complete."""
         for request in self._requests:
             request.wait()
-        self._requests = []
+        self._requests = self._receives = []
         if self._generations:
             self._generations[-1].complete = True
+
+    def salvage(self, timeout: timedelta) -> bool:
+        """After a failure, before :meth:`abandon`: the refresh in flight is complete for this rank
+        if its ward's copy arrives within ``timeout`` (its own snapshot is whole since the start;
+        what its buddy received is the buddy's to say). A ward that died after sending, in the step
+        after the refresh, was usually received long before: with one step between refreshes no
+        completed step is lost. Never raises; True when the refresh completed."""
+        if not self._requests:
+            return False
+        try:
+            for request in self._receives:
+                request.wait(timeout)
+        except RuntimeError:  # not all arrived: the ward died or hung before sending
+            return False
+        self._requests = self._receives = []
+        self._generations[-1].complete = True
+        return True
 
     def abandon(self) -> None:
         """Give up the refresh in flight (its exchange failed, or the epoch is left): its generation
         is dropped, the complete ones stay. The links are let go (freeing them closes their
         connections): no refresh can start after this."""
-        self._requests = []
+        self._requests = self._receives = []
         if self._generations and not self._generations[-1].complete:
             self._generations.pop()
         self._links = None

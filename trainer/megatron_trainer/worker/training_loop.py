@@ -11,7 +11,9 @@ With the distributed optimizer and a plan that keeps buddy copies, every ``repli
 step starts a refresh of this rank's copies (worker/buddy_copies.py) and the step after it finishes
 it (the exchange runs during that step's compute), as does leaving the epoch at a step boundary or
 at its end; the copies held go to the agent (``ReplicaSteps``). A failed exchange is handled like a
-failed step. The copies only read the optimizer's state: training is the same with or without them.
+failed step; a failed step first gives the ward's copy of the refresh in flight a moment to arrive
+(:data:`SALVAGE_WAIT`). The copies only read the optimizer's state: training is the same with or
+without them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +51,10 @@ if TYPE_CHECKING:
     from megatron_trainer.worker.runtime import Worker
 
 log = logging.getLogger("megatron_trainer.worker")
+
+#: How long a failed step waits for its ward's copy of the refresh in flight: normally it arrived
+#: during the step; when it did not, the ward died or hung before sending it.
+SALVAGE_WAIT = timedelta(seconds=0.25)
 
 
 def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
@@ -185,7 +192,6 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool) -> bool:
     except RuntimeError as err:
         if not (worker.aborted.is_set() or is_collective_error(err)):
             raise
-        copies.abandon()
         _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
         return False
     finally:
@@ -309,6 +315,9 @@ def _on_step_failure(worker: Worker, plan: MeshPlan, failure: str) -> None:
     if worker.detected_at is not None:
         worker.phases["step_exit"] = time.monotonic() - worker.detected_at
     log.warning("epoch %d step %d discarded: %s", plan.epoch, worker.completed, failure)
+    copies = worker.copies
+    if copies is not None and copies.salvage(SALVAGE_WAIT):  # before the report: the plan may use them
+        worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
     worker.teardown(aborted=True)
     if by_plan:
         return
