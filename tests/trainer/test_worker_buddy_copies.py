@@ -19,8 +19,10 @@ before the epoch is left; epoch 2 starts with no copies and refreshes at its own
 ward copy again its ward's shards.
 
 Third scenario (three pods of one worker, interval 1): the worker of pod c is SIGKILLed in step 3,
-after the refreshes of steps 1 and 2 completed and while that of step 3 is in flight (pod c sent
-its shards before the step). The survivors leave the epoch and report the failed collective
+after the refreshes of steps 1 and 2 completed and while that of step 3 is in flight. It first
+dwells a second in the step's data read: gloo moves a message once both ends have posted it, and
+the tiny steps on shared cores may otherwise end it before its buddy posted the receive (a real
+step is far longer than that). The survivors leave the epoch and report the failed collective
 (nothing hangs on the copies); before that each says it holds the copies of step 3 too, the
 ward's copy having arrived: no completed step is lost.
 """
@@ -36,7 +38,7 @@ from worker_harness import MakeCluster, WorkerCluster, fault_env, make_spec, wai
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
 from megatron_contract.mesh import MeshPlan, PlanReason
 from megatron_trainer.channel import CollectiveFailed, ReplicaSteps
-from megatron_trainer.faults import Fault, FaultPlan
+from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
 from megatron_trainer.worker.buddy_copies import buddy_and_ward
 from megatron_trainer.worker.settings import ENV_COPY_LOG
 
@@ -180,7 +182,11 @@ def test_a_new_epoch_at_a_step_boundary_starts_fresh_copies_every_interval(
 def test_a_pod_lost_during_a_refresh_loses_no_copy_it_sent_and_nothing_hangs(
     tmp_path: Path, make_cluster: MakeCluster
 ) -> None:
-    faults = FaultPlan().fail_at(rank=2, step=3, fault=Fault.SIGKILL)  # in step 3: steps 0-2 are done
+    faults = (
+        FaultPlan()  # in step 3: steps 0-2 are done
+        .fail_at(rank=2, step=3, fault=Fault.DELAY, seconds=1.0, point=InjectionPoint.DATA_READ)
+        .fail_at(rank=2, step=3, fault=Fault.SIGKILL)
+    )
     cluster = make_cluster(buddy_spec(tmp_path / "ckpt", train_iters=8), tmp_path, fault_env(tmp_path, faults))
     cluster.boot(PODS)
     cluster.assign(cluster.plan(PODS, buddies=True))
