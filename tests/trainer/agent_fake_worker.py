@@ -9,6 +9,8 @@ chosen by environment variables, so a test decides what goes wrong:
 - ``AGENT_FAKE_COLLECTIVE_FAIL_AT_STEP=N`` and ``AGENT_FAKE_PEER_RANK=R``: at step N report that a
   collective with rank R failed, then wait for the next plan.
 - ``AGENT_FAKE_HELLO_DELAY_SECONDS``: wait before Hello (a slow model build).
+- ``AGENT_FAKE_REPLICA_STEPS=1``: after every step ``s`` say it holds buddy copies of steps ``s`` and
+  ``s - 1`` of the epoch (those after its resume step), local rank 1 none of a multiple of 5.
 - ``AGENT_FAKE_CHECKPOINT_UNUSABLE=1``: on a plan naming the pod, report two checkpoints rejected
   (steps 8 and 6) and the restore given up, then fail with exit code 1 (as a real worker does).
 """
@@ -33,6 +35,7 @@ from megatron_trainer.channel import (
     Hello,
     PhaseTimes,
     Progress,
+    ReplicaSteps,
     Shutdown,
     WorkerStatus,
 )
@@ -54,6 +57,7 @@ def main() -> int:
     exit_at = _env_int("AGENT_FAKE_EXIT_AT_STEP")
     fail_at = _env_int("AGENT_FAKE_COLLECTIVE_FAIL_AT_STEP")
     peer_rank = _env_int("AGENT_FAKE_PEER_RANK")
+    replica_steps = bool(os.environ.get("AGENT_FAKE_REPLICA_STEPS"))
     channel = Channel.from_fd(args.channel_fd)
     time.sleep(float(os.environ.get("AGENT_FAKE_HELLO_DELAY_SECONDS", "0")))
     channel.send(Hello(local_rank=args.local_rank, pid=os.getpid()))
@@ -93,6 +97,9 @@ def main() -> int:
                     tokens_per_second=spec.training.global_batch_size * spec.model.seq_length / step_seconds,
                 )
             )
+            if replica_steps:
+                held = [s for s in (step, step - 1) if s > plan.resume_step and (args.local_rank != 1 or s % 5)]
+                channel.send(ReplicaSteps(epoch=plan.epoch, steps=held))
             if spec.checkpoint is not None and step % spec.checkpoint.interval_steps == 0:
                 blocking = 0.25 + args.local_rank / 100
                 channel.send(CheckpointSaved(epoch=plan.epoch, step=step, blocking_seconds=blocking))

@@ -16,6 +16,10 @@ Scenarios (marked slow; each about a minute on 2 shared CPU cores):
   train again in epoch 2, the heartbeats and /v1/state show it, consumed samples stay
   step x global batch, and A's reconfiguration phases are in its metrics;
 - C's agent is SIGKILLed: its workers see EOF on their channels and exit (no orphans).
+
+Buddy copies (two agents, one real worker each, the distributed optimizer, a plan with buddies):
+each pod's heartbeats report the steps of the copies its worker holds, newest first, at most two,
+the newest one or two steps behind the pod's last (every step is refreshed).
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ import pytest
 from agent_harness import AgentProcess, RecordingOperator, make_plan, make_spec, process_gone, running_agents, wait_for
 
 from megatron_contract.agent import AgentState
-from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
+from megatron_contract.job import MegatronJobSpec
+from megatron_contract.mesh import (
+    MeshPlan,
+    OptimizerSourceKind,
+    OptimizerStatePlan,
+    PlanReason,
+    StateSource,
+    StateSourceKind,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +175,36 @@ def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator,
         c.process.kill()
         c.process.wait(timeout=10)
         wait_for(lambda: all(process_gone(pid) for pid in orphans), 60, "C's workers to exit after their agent")
+
+
+def test_heartbeats_report_the_buddy_copies_the_workers_hold(operator: RecordingOperator, tmp_path: Path) -> None:
+    iters = 40
+    wire = make_spec(replicas=2, spares=0, global_batch=4, train_iters=iters, heartbeat_interval=0.2).to_wire()
+    wire["training"]["optimizer"]["distributed"] = True
+    wire["checkpoint"] = {"path": str(tmp_path / "ckpt"), "intervalSteps": 1000}
+    spec = MegatronJobSpec.model_validate(wire)
+    env = {"OMP_NUM_THREADS": "1"}
+    a, b = (
+        AgentProcess(name, spec, tmp_path, operator_url=operator.url, worker_command=None, extra_env=env)
+        for name in ("pod-a", "pod-b")
+    )
+    with running_agents([a, b]):
+        for agent in (a, b):
+            agent.wait_ready(READY_TIMEOUT)
+        plan = make_plan(spec, [a.pod, b.pod], epoch=1, store=a.pod)
+        buddies = OptimizerStatePlan(buddies=True, source=OptimizerSourceKind.INIT)
+        changes = {"default_source": StateSourceKind.INIT, "state_sources": [], "optimizer_state": buddies}
+        plan = MeshPlan.model_validate(plan.model_dump() | changes)
+        for agent in (a, b):
+            assert agent.post_plan(plan)[0] == 200
+        for pod in ("pod-a", "pod-b"):
+            operator.wait_report(pod, lambda r: bool(r.replica_steps) and (r.step or 0) >= 10, 180, "copies")
+    for pod in ("pod-a", "pod-b"):
+        reports = [r for r in operator.reports_from(pod) if r.replica_steps]
+        assert reports, pod
+        for r in reports:
+            assert r.epoch == 1 and r.step is not None, (pod, r)
+            assert r.replica_steps == sorted(set(r.replica_steps), reverse=True) and len(r.replica_steps) <= 2
+            # Each step's refresh finishes after the next step (or once the job ended), and the worker
+            # tells of it after that step's progress: a report may fall in between.
+            assert r.replica_steps[0] in (r.step - 2, r.step - 1, r.step), (pod, r.step, r.replica_steps)

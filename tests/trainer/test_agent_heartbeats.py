@@ -8,7 +8,10 @@ Scenarios:
   rank and pod (resolved from the plan), and stops being sent once acknowledged;
 - the epoch in the operator's answer is recorded (an agent that missed a push shows it);
 - the next plan resumes training from its resume step;
-- a worker's completed checkpoint is reported (the operator's fallback when no peer holds a shard).
+- a worker's completed checkpoint is reported (the operator's fallback when no peer holds a shard);
+- the buddy copies held: the steps every local worker holds (local rank 1 never holds a multiple
+  of 5, local rank 0 does), of the held epoch only (after a plan that resumes at step 100, only
+  steps after it), none before the first plan.
 """
 
 from __future__ import annotations
@@ -105,3 +108,25 @@ def test_heartbeats_carry_the_newest_complete_checkpoint(operator: RecordingOper
         slowest = 0.25 + (spec.gpus_per_pod - 1) / 100
         saves = report.checkpoint_step // 5
         assert report.checkpoint_blocking_seconds == pytest.approx(saves * slowest)
+
+
+def test_heartbeats_carry_the_copies_every_local_worker_holds(operator: RecordingOperator, tmp_path: Path) -> None:
+    spec = make_spec(replicas=4, gpus_per_pod=2, tp=2, heartbeat_interval=0.2)
+    agent = AgentProcess(
+        "pod-a", spec, tmp_path, operator_url=operator.url, extra_env={"AGENT_FAKE_REPLICA_STEPS": "1"}
+    )
+    with running_agents([agent]):
+        operator.wait_report("pod-a", lambda r: r.state is AgentState.SPARE, 30, "state spare")
+        assert agent.post_plan(make_plan(spec, [agent.pod, OTHER], epoch=1))[0] == 200
+        # After step s each holds s and s-1, rank 1 none of a multiple of 5 (the fake workers' steps
+        # drift apart: which steps both hold at a report varies).
+        operator.wait_report("pod-a", lambda r: bool(r.replica_steps), 30, "copies held by both workers")
+        operator.wait_report("pod-a", lambda r: (r.step or 0) >= 60, 30, "step 60, past twelve multiples of 5")
+        resume = 100
+        plan = make_plan(spec, [agent.pod, OTHER], epoch=2, reason=PlanReason.REPLACE, resume_step=resume)
+        assert agent.post_plan(plan)[0] == 200
+        operator.wait_report("pod-a", lambda r: r.epoch == 2 and bool(r.replica_steps), 30, "copies in epoch 2")
+    reports = operator.reports_from("pod-a")
+    assert all(r.replica_steps == [] for r in reports if r.epoch == 0)
+    assert all(s % 5 for r in reports for s in r.replica_steps), "a step that local rank 1 does not hold"
+    assert all(s > resume for r in reports if r.epoch == 2 for s in r.replica_steps), "a copy of epoch 1 in epoch 2"

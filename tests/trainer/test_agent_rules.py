@@ -11,6 +11,9 @@ Scenarios:
   whose watchdog last gave a progress limit (in a step or between two) counts as stopped after
   twice that limit (at least 2 s); in a data read, a save, or with no limit, the hang timeout decides;
 - phase times: instants (``*_at``, ``*_unix``) and invalid values stay out of the durations;
+- buddy copies: the pod holds the steps every one of its workers holds in the held epoch, newest
+  first, at most four; none while a worker said nothing, or spoke of another epoch; a worker's
+  message must list distinct steps, newest first, at most four;
 - settings: read from an environment mapping with defaults from the spec; each missing or
   malformed variable is named in the error; spec fields a newer operator sends are ignored.
 """
@@ -33,9 +36,10 @@ from megatron_trainer.agent.plan_acceptance import (
     check_token,
     parse_plan,
 )
+from megatron_trainer.agent.reports import common_replica_steps
 from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError, hang_timeout_for
 from megatron_trainer.agent.supervisor import silence_allowed, stopped_silence
-from megatron_trainer.channel import Alive
+from megatron_trainer.channel import Alive, ReplicaSteps
 
 PODS = [PodAddress("p0", "127.0.0.1"), PodAddress("p1", "127.0.0.2")]
 
@@ -192,6 +196,31 @@ def test_phase_times_keep_instants_out_of_the_durations() -> None:
     )
     assert durations == {"abort": 0.9, "rendezvous": 0.05}
     assert instants == {"detected_at_unix": 1795292183.9}
+
+
+# -- buddy copies ---------------------------------------------------------------------------------
+
+
+def test_the_pod_holds_the_copies_every_worker_holds_in_the_epoch() -> None:
+    def held(epoch: int, *steps: int) -> ReplicaSteps:
+        return ReplicaSteps(epoch=epoch, steps=list(steps))
+
+    assert common_replica_steps(3, [held(3, 8, 7), held(3, 7, 6)], 2) == [7]
+    assert common_replica_steps(3, [held(3, 8, 7), held(3, 8, 7)], 2) == [8, 7]
+    assert common_replica_steps(3, [held(3, 9, 7, 5, 3), held(3, 9, 8, 7, 5)], 2) == [9, 7, 5]
+    assert common_replica_steps(3, [held(3, 8, 7), held(2, 8, 7)], 2) == [], "a copy of another epoch"
+    assert common_replica_steps(3, [held(3, 8, 7), None], 2) == [], "a worker that said nothing yet"
+    assert common_replica_steps(3, [held(3, 8, 7)], 2) == [], "a worker missing"
+    assert common_replica_steps(3, [held(3, 8), held(3, 7)], 2) == []
+    assert common_replica_steps(3, [held(3, 8, 7)], 1) == [8, 7]
+
+
+@pytest.mark.parametrize(
+    "steps", [[7, 8], [8, 8], [-1], [9, 8, 7, 6, 5]], ids=["oldest-first", "twice", "negative", "five"]
+)
+def test_a_workers_copies_must_be_distinct_steps_newest_first(steps: list[int]) -> None:
+    with pytest.raises(ValueError):
+        ReplicaSteps(epoch=1, steps=steps)
 
 
 # -- settings -------------------------------------------------------------------------------------

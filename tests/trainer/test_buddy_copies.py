@@ -1,11 +1,18 @@
 """Host copies of optimizer shards kept by buddies (worker/buddy_copies.py), in real gloo processes.
 
-Scenario (4 processes, buddies a ring 0->1->2->3->0): refreshes of steps 1 and 2 finish; the one of
+Scenario (4 processes, buddies a ring 0->1->2->3->0, the ranks' shards of different shapes and
+numbers, as at different model-parallel positions): refreshes of steps 1 and 2 finish; the one of
 step 3 is started (in step 1's buffers) and, while in flight, the complete copy is still that
 of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
 yet a copy and a second refresh is refused; once finished, steps 3 and 2 are kept and step 1 is
-gone (two generations). Bad buddy assignments are refused without processes. Every process a test starts is
-waited for, and killed if it outlives the test.
+gone (two generations). Bad buddy assignments are refused without processes.
+
+Two processes on their own gloo pair links, as the training loop makes them: a ward that dies
+with its refresh sent but unfinished leaves a copy its survivor salvages (complete, with the ward's
+values); a refresh started once the ward is gone fails with an error the worker takes for a failed
+collective, well within the links' timeout, is not salvaged, and the newest copy before it stays.
+
+Every process a test starts is waited for, and killed if it outlives the test.
 """
 
 from __future__ import annotations
@@ -15,6 +22,40 @@ from worker_harness import run_rank_scripts
 
 from localcluster.cluster import free_port
 from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
+
+_DYING_WARD = r"""
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+from megatron_trainer.worker.buddy_copies import BuddyCopies, exchange_links
+from megatron_trainer.worker.collective_errors import is_collective_error
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+links = exchange_links(store, rank, 1 - rank, 1 - rank, datetime.timedelta(seconds=60))
+copies = BuddyCopies(rank, 1 - rank, 1 - rank, links=links)
+copies.start_refresh(1, [torch.full((64, 3), float(rank))])
+copies.finish_refresh()
+copies.start_refresh(2, [torch.full((64, 3), 10.0 + rank)])
+if rank == 1:
+    time.sleep(0.5)
+    print("{}", flush=True)
+    os._exit(0)  # gone with its refresh of step 2 sent, unfinished; its sockets close with it
+time.sleep(1.5)
+out = {"salvaged": copies.salvage(datetime.timedelta(seconds=0.25)), "after_salvage": copies.complete_steps()}
+out["ward_copy_2"] = copies.ward_copy(2)[0][0, 0].item()
+start = time.monotonic()
+try:  # the ward is gone: this refresh cannot complete
+    copies.start_refresh(3, [torch.full((64, 3), 20.0)])
+    copies.finish_refresh()
+    out["error"] = None
+except RuntimeError as err:
+    out["error"], out["collective"] = str(err)[:200], is_collective_error(err)
+out["seconds"] = time.monotonic() - start
+out["salvaged_3"] = copies.salvage(datetime.timedelta(seconds=0.25))
+copies.abandon()
+out["steps"] = copies.complete_steps()
+print(json.dumps(out), flush=True)
+"""
 
 _RANK = r"""
 import datetime, json, sys
@@ -29,12 +70,15 @@ ward = ward_of(buddies)[rank]
 copies = BuddyCopies(rank, buddies[rank], ward)
 
 def shards(r, step):
-    return [torch.full((5, 3), 100.0 * r + step), torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) + r + step]
+    # Shapes and numbers of shards differ by rank, as at another model-parallel position.
+    counting = torch.arange((7 + 2 * r) * 3, dtype=torch.float32).reshape(-1, 3) + r + step
+    return [torch.full((5 + r, 3), 100.0 * r + step), counting] + [torch.full((3, 3), -float(step))] * (r % 2)
+
+def equal(got, want):
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 def holds(step):
-    return all(torch.equal(a, b) for a, b in zip(copies.own(step), shards(rank, step))) and all(
-        torch.equal(a, b) for a, b in zip(copies.ward_copy(step), shards(ward, step))
-    )
+    return equal(copies.own(step), shards(rank, step)) and equal(copies.ward_copy(step), shards(ward, step))
 
 out = {}
 for step in (1, 2):
@@ -92,3 +136,17 @@ def test_bad_buddy_assignments_are_refused() -> None:
         BuddyCopies(rank=0, buddy=0, ward=1)
     with pytest.raises(ValueError, match="two generations"):
         BuddyCopies(rank=0, buddy=1, ward=1, generations=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ward_lost_after_sending_is_salvaged_and_one_lost_before_fails_as_a_collective_does() -> None:
+    port = free_port()
+    result, gone = run_rank_scripts(_DYING_WARD, lambda r: [str(r), str(port)], 2, timeout=240)
+    assert gone == {}
+    assert result["salvaged"] and result["after_salvage"] == [2, 1] and result["ward_copy_2"] == 11.0
+    assert result["error"] is not None, "a refresh with a dead ward completed"
+    assert result["collective"], result["error"]
+    assert result["seconds"] < 30, "the wait ran into the links' timeout instead of failing at once"
+    # Step 1's buffers went to the refresh of step 3: the newest complete copy stands.
+    assert not result["salvaged_3"] and result["steps"] == [2]

@@ -30,8 +30,11 @@ from megatron_contract import wire
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import (
     BatchGeometry,
+    HolderRun,
     MeshPlan,
     MeshSizes,
+    OptimizerSourceKind,
+    OptimizerStatePlan,
     PlanMember,
     PlanReason,
     Rendezvous,
@@ -109,11 +112,13 @@ def make_plan(
     resume_step: int = 0,
     reason: PlanReason = PlanReason.INITIAL,
     sources: dict[int, StateSource] | None = None,
+    buddies: bool = False,
 ) -> MeshPlan:
     """A plan where ``pods`` (in order) hold consecutive ranks; dp follows from their number.
 
     ``sources`` overrides the state source of some ranks; the rest are ``init`` at epoch 1 and
-    ``self`` afterwards.
+    ``self`` afterwards. ``buddies`` (a first epoch, or one whose ranks keep their state) asks the
+    distributed optimizer's ranks to keep buddy copies, every ``replicaIntervalSteps`` of the spec.
     """
     world = len(pods) * spec.gpus_per_pod
     dp = world // spec.model_parallel
@@ -125,6 +130,18 @@ def make_plan(
     default = StateSourceKind.INIT if epoch == 1 else StateSourceKind.SELF
     sources = sources or {}
     state_sources = [sources.get(r) or StateSource(rank=r, kind=default) for r in range(world)]
+    optimizer_state = None
+    if buddies:
+        if sources:
+            raise ValueError("buddies in a plan with sources other than init (epoch 1) or self")
+        state_sources = []  # the optimizer's source is the plan's, for every rank
+        optimizer_state = OptimizerStatePlan(
+            replica_interval_steps=spec.training.optimizer.replica_interval_steps,
+            buddies=True,
+            source=OptimizerSourceKind.INIT if epoch == 1 else OptimizerSourceKind.SELF,
+            previous_sizes=None if epoch == 1 else sizes,
+            holders=[] if epoch == 1 else HolderRun.runs_of(list(range(world))),
+        )
     return MeshPlan(
         job_uid=JOB_UID,
         epoch=epoch,
@@ -135,7 +152,9 @@ def make_plan(
         rendezvous=Rendezvous(host="127.0.0.1", port=store_port, store_prefix=Rendezvous.prefix_for(JOB_UID, epoch)),
         members=members,
         resume_step=resume_step,
+        default_source=default if buddies else StateSourceKind.SELF,
         state_sources=state_sources,
+        optimizer_state=optimizer_state,
     )
 
 

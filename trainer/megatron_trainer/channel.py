@@ -7,11 +7,12 @@ with ``subprocess.Popen(pass_fds=...)`` and ``--channel-fd N``. torch-free: the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 from typing import Annotated, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, field_validator
 
 from megatron_contract.base import WireModel
 from megatron_contract.mesh import MeshPlan
@@ -96,6 +97,23 @@ class CheckpointProblem(WireModel):
     detail: str = ""
 
 
+class ReplicaSteps(WireModel):
+    """With buddy copies of the distributed optimizer's shards: the steps of which this worker holds
+    complete host copies in ``epoch`` (its own snapshot and the one it keeps for its ward), newest
+    first; sent whenever a refresh finishes or starts (a start may drop the oldest copy)."""
+
+    type: Literal["replica_steps"] = "replica_steps"
+    epoch: int = Field(ge=1)
+    steps: list[Annotated[int, Field(ge=0)]] = Field(max_length=4)
+
+    @field_validator("steps")
+    @classmethod
+    def _newest_first(cls, steps: list[int]) -> list[int]:
+        if any(a <= b for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"steps must be distinct and newest first, got {steps}")
+        return steps
+
+
 class PhaseTimes(WireModel):
     """Durations of one reconfiguration, in seconds (detect, abort, rendezvous, restore, first_step)."""
 
@@ -128,7 +146,15 @@ class CollectiveFailed(WireModel):
 
 ToWorker = Annotated[Assign | Shutdown, Field(discriminator="type")]
 ToAgent = Annotated[
-    Hello | WorkerStatus | Progress | CheckpointSaved | CheckpointProblem | PhaseTimes | CollectiveFailed | Alive,
+    Hello
+    | WorkerStatus
+    | Progress
+    | CheckpointSaved
+    | CheckpointProblem
+    | PhaseTimes
+    | CollectiveFailed
+    | Alive
+    | ReplicaSteps,
     Field(discriminator="type"),
 ]
 _TO_WORKER: TypeAdapter[ToWorker] = TypeAdapter(ToWorker)

@@ -12,12 +12,13 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from megatron_contract.agent import AgentReport, PeerFailure, WorkerState
-from megatron_trainer.channel import Progress
+from megatron_trainer.channel import Progress, ReplicaSteps
 
 if TYPE_CHECKING:
     from megatron_trainer.agent.agent import Agent
 
 MAX_PENDING_FAILURES = 64  # AgentReport.failed_peers holds at most this many
+MAX_REPLICA_STEPS = 4  # AgentReport.replica_steps holds at most this many
 
 
 class PendingFailures:
@@ -50,6 +51,35 @@ def member_progress(agent: Agent) -> list[Progress]:
     ]
 
 
+def pod_replica_steps(agent: Agent) -> list[int]:
+    """The steps of which this pod holds complete buddy copies in the held epoch
+    (``AgentReport.replica_steps``): those every local worker of the plan says it holds."""
+    plan = agent.plan
+    member = plan.member(agent.settings.pod_name) if plan is not None else None
+    if member is None:
+        return []
+    held = [
+        h.replica_steps if h.alive else None
+        for h in agent.supervisor.workers.values()
+        if h.local_rank < len(member.ranks)
+    ]
+    return common_replica_steps(agent.epoch, held, len(member.ranks))
+
+
+def common_replica_steps(epoch: int, held: list[ReplicaSteps | None], workers: int) -> list[int]:
+    """The steps that each of ``workers`` workers holds copies of in ``epoch``, newest first: none
+    unless every one of them said which it holds in that epoch (the operator takes a step the pod
+    reports as held for every rank of the pod)."""
+    if len(held) < workers:
+        return []
+    common: set[int] | None = None
+    for message in held:
+        if message is None or message.epoch != epoch:
+            return []
+        common = set(message.steps) if common is None else common & set(message.steps)
+    return sorted(common or (), reverse=True)[:MAX_REPLICA_STEPS]
+
+
 def build_report(agent: Agent) -> AgentReport:
     """The heartbeat as of now; the pod speaks for its slowest worker."""
     progress = member_progress(agent)
@@ -79,6 +109,7 @@ def build_report(agent: Agent) -> AgentReport:
         # The same objects as the pending failures: acknowledgement clears exactly these.
         failed_peers=list(agent.failures.items),
         checkpoint_step=agent.checkpoints.step,
+        replica_steps=pod_replica_steps(agent),
         checkpoint_blocking_seconds=agent.checkpoints.blocking_seconds(),
         checkpoint_rejected=agent.checkpoints.rejected,
         checkpoint_unusable=agent.checkpoints.unusable,

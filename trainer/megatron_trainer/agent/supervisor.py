@@ -30,7 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from megatron_contract import wire
 from megatron_trainer.agent.lifecycle import WorkerPhase, check_transition
-from megatron_trainer.channel import Alive, Progress, Shutdown, ToAgent, ToWorker
+from megatron_trainer.channel import Alive, Progress, ReplicaSteps, Shutdown, ToAgent, ToWorker
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class WorkerHandle:
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     progress: Progress | None = None
     last_alive: Alive | None = None  # the worker watchdog's last word
+    replica_steps: ReplicaSteps | None = None  # the buddy copies it last said it holds
     exit_code: int | None = None
     kill_reason: str | None = None
     pump: asyncio.Task[None] | None = None

@@ -1,9 +1,9 @@
 """What the workers tell the agent, and what it does about it.
 
 The supervisor's callbacks: a worker's messages (Hello, status, progress, checkpoints, phase
-times, failed collectives), its hang and its exit, and the restart that follows within the pod's
-budget. Each moves the worker's phase, updates what the pod reports, and wakes the heartbeat when
-the operator must hear at once.
+times, failed collectives, buddy copies held), its hang and its exit, and the restart that follows
+within the pod's budget. Each moves the worker's phase, updates what the pod reports, and wakes the
+heartbeat when the operator must hear at once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megatron_trainer.channel import (
     Hello,
     PhaseTimes,
     Progress,
+    ReplicaSteps,
     ToAgent,
     WorkerStatus,
 )
@@ -100,6 +101,8 @@ class WorkerEvents:
                 log.info("worker %d %s: %s", handle.local_rank, message.state, message.detail)
         elif isinstance(message, Progress):
             self._on_progress(handle, message)
+        elif isinstance(message, ReplicaSteps):
+            handle.replica_steps = message  # its epoch is checked when a report is built
         elif isinstance(message, CheckpointSaved):
             if agent.checkpoints.saved(message, suspending=self._suspending(message.epoch)):
                 self._send_soon()

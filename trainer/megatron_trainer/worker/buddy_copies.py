@@ -7,18 +7,43 @@ started after an optimizer step and finished later (the next step's compute runs
 a finished refresh counts as a complete copy. Two generations are kept, so while a refresh is in
 flight the previous complete one is still whole: a failure then goes back to it (the plan says how
 many steps are redone). The host memory this takes per pod is
-``megatron_contract.host_memory.pod_copy_bytes``. Not yet wired into the training loop.
+``megatron_contract.host_memory.pod_copy_bytes``.
+
+The training loop (worker/training_loop.py) refreshes after every ``replicaIntervalSteps``-th step
+when the plan asks for buddies. The exchange runs on gloo connections of its own, one per pair of
+ranks that exchange (:func:`exchange_links`), made with the epoch's groups: its point-to-point
+traffic never interleaves with the training collectives, and on GPU it moves host memory on gloo's
+threads without touching the GPU's streams or NCCL (which sends device memory only). Pairs, not a
+world group: gloo connects every pair of a group's ranks, so a world group would hold a connection
+to every rank of the job where a rank talks to two. They are bare gloo backends on the epoch's
+store, not torch groups: ``new_group`` names a group made by its members alone from how many groups
+each member already has, which differs along a ring of buddies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_contract.host_memory import BUDDY_GENERATIONS
+from megatron_contract.mesh import MeshPlan
+
+#: Generations kept: the newest complete copy survives a refresh in flight.
+GENERATIONS = BUDDY_GENERATIONS
+
+#: Tags of the shape exchange, past those of the shards (one per shard, from 0).
+_SHAPES_TAG = 1 << 20
+
+
+def _two_dims(shard: torch.Tensor) -> tuple[int, int]:
+    if shard.dim() != 2:
+        raise ValueError(f"a flat shard has two dimensions (rows, columns), not {tuple(shard.shape)}")
+    return shard.shape[0], shard.shape[1]
 
 
 @dataclasses.dataclass
@@ -32,53 +57,118 @@ class _Generation:
 class BuddyCopies:
     """This rank's generations of host copies, and the refresh in flight."""
 
-    def __init__(self, rank: int, buddy: int, ward: int, generations: int = BUDDY_GENERATIONS) -> None:
+    def __init__(
+        self,
+        rank: int,
+        buddy: int,
+        ward: int,
+        generations: int = GENERATIONS,
+        links: tuple[PairLink, PairLink] | None = None,
+    ) -> None:
+        """``links``: the connections to the buddy and from the ward (None: the default group)."""
         if rank in (buddy, ward):
             raise ValueError(f"rank {rank} cannot keep its own copy (buddy {buddy}, ward {ward})")
         if generations < 2:
             raise ValueError("two generations at least: the previous copy must survive a refresh in flight")
         self.rank, self.buddy, self.ward = rank, buddy, ward
+        self._links = links
         self._limit = generations
         self._generations: list[_Generation] = []  # oldest first
         self._requests: list[dist.Work] = []
+        self._receives: list[dist.Work] = []  # of the ward's copy, among the requests
+        self._closed = False
+        self._ward_shapes: list[torch.Size] | None = None  # learnt at the first refresh
 
     def start_refresh(self, step: int, shards: Sequence[torch.Tensor]) -> None:
         """Copy ``shards`` (this rank's, after ``step`` steps) to host memory and start exchanging:
         every rank of the world calls this for the same step (sends and receives pair up)."""
         if self._requests:
             raise RuntimeError(f"rank {self.rank}: a refresh is still in flight")
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
         if self._generations and step <= self._generations[-1].step:
             raise ValueError(f"refresh of step {step} after one of step {self._generations[-1].step}")
+        if self._ward_shapes is None:
+            self._ward_shapes = self._exchange_shapes(shards)
         reuse = self._generations.pop(0) if len(self._generations) >= self._limit else None
         pin = torch.cuda.is_available() and any(s.is_cuda for s in shards)
-        own, ward = [], []
-        for i, shard in enumerate(shards):
-            if reuse is not None and reuse.own[i].shape == shard.shape:
-                host_own, host_ward = reuse.own[i], reuse.ward[i]
-            else:
-                host_own = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin)
-                host_ward = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin)
-            host_own.copy_(shard, non_blocking=pin)
-            own.append(host_own)
-            ward.append(host_ward)
+        if reuse is not None and [t.shape for t in reuse.own] == [s.shape for s in shards]:
+            own, ward = reuse.own, reuse.ward  # the ward's shapes are the epoch's: only own's may change
+        else:
+            own = [torch.empty(s.shape, dtype=s.dtype, pin_memory=pin) for s in shards]
+            dtype = shards[0].dtype if shards else torch.float32
+            ward = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape in self._ward_shapes]
+        for host, shard in zip(own, shards, strict=True):
+            host.copy_(shard, non_blocking=pin)
         if pin:
             torch.cuda.current_stream().synchronize()  # the snapshot is whole before it is sent
         self._generations.append(_Generation(step, own, ward))
-        ops = [dist.P2POp(dist.isend, t, self.buddy, tag=i) for i, t in enumerate(own)]
-        ops += [dist.P2POp(dist.irecv, t, self.ward, tag=i) for i, t in enumerate(ward)]
-        self._requests = list(dist.batch_isend_irecv(ops))
+        self._receives = [self._recv(t, i) for i, t in enumerate(ward)]
+        self._requests = [self._send(t, i) for i, t in enumerate(own)] + self._receives
+
+    def _exchange_shapes(self, shards: Sequence[torch.Tensor]) -> list[torch.Size]:
+        """Send the buddy the shapes of this rank's shards and receive the ward's (once per epoch,
+        blocking): a ward at another model-parallel position (one replica over several pods) has
+        shards of other sizes, and maybe another number of them."""
+        mine = torch.tensor([len(shards), *(n for s in shards for n in _two_dims(s))], dtype=torch.int64)
+        count = torch.zeros(1, dtype=torch.int64)
+        sent = [self._send(mine[:1].clone(), _SHAPES_TAG), self._recv(count, _SHAPES_TAG)]
+        for request in sent:
+            request.wait()
+        dims = torch.zeros(2 * int(count.item()), dtype=torch.int64)
+        sent = [self._send(mine[1:].clone(), _SHAPES_TAG + 1), self._recv(dims, _SHAPES_TAG + 1)]
+        for request in sent:
+            request.wait()
+        return [torch.Size(pair) for pair in dims.view(-1, 2).tolist()]
+
+    def _send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        work = self._links[0].send(tensor, tag) if self._links else dist.isend(tensor, self.buddy, tag=tag)
+        assert work is not None  # None only for a rank outside the group, never the world's
+        return work
+
+    def _recv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        work = self._links[1].recv(tensor, tag) if self._links else dist.irecv(tensor, self.ward, tag=tag)
+        assert work is not None
+        return work
 
     def finish_refresh(self) -> None:
         """Wait for the exchange in flight; its generation is then complete."""
         for request in self._requests:
             request.wait()
-        self._requests = []
+        self._requests = self._receives = []
         if self._generations:
             self._generations[-1].complete = True
 
     def host_bytes(self) -> int:
         """Bytes of host memory the copies hold (every generation, own and ward's)."""
         return sum(t.numel() * t.element_size() for g in self._generations for t in (*g.own, *g.ward))
+
+    def salvage(self, timeout: timedelta) -> bool:
+        """After a failure, before :meth:`abandon`: the refresh in flight is complete for this rank
+        if its ward's copy arrives within ``timeout`` (its own snapshot is whole since the start;
+        what its buddy received is the buddy's to say). A ward that died after sending, in the step
+        after the refresh, was usually received long before: with one step between refreshes no
+        completed step is lost. Never raises; True when the refresh completed."""
+        if not self._requests:
+            return False
+        try:
+            for request in self._receives:
+                request.wait(timeout)
+        except RuntimeError:  # not all arrived: the ward died or hung before sending
+            return False
+        self._requests = self._receives = []
+        self._generations[-1].complete = True
+        return True
+
+    def abandon(self) -> None:
+        """Give up the refresh in flight (its exchange failed, or the epoch is left): its generation
+        is dropped, the complete ones stay. The links are let go (freeing them closes their
+        connections): no refresh can start after this."""
+        self._requests = self._receives = []
+        if self._generations and not self._generations[-1].complete:
+            self._generations.pop()
+        self._links = None
+        self._closed = True
 
     @property
     def in_flight(self) -> bool:
@@ -111,3 +201,45 @@ def ward_of(buddies: Sequence[int]) -> list[int]:
             raise ValueError(f"the buddies are not a permutation of the ranks: {list(buddies)}")
         ward[buddy] = rank
     return ward
+
+
+@dataclasses.dataclass(frozen=True)
+class PairLink:
+    """A gloo connection between two ranks: this rank's end."""
+
+    backend: Any  # a dist.ProcessGroupGloo; torch's stubs omit the send and recv it binds
+    peer: int  # the other rank's index in the pair (0 or 1)
+
+    def send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.backend.send([tensor], self.peer, tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.backend.recv([tensor], self.peer, tag)
+
+
+def exchange_links(
+    store: dist.Store, rank: int, buddy: int, ward: int, timeout: timedelta
+) -> tuple[PairLink, PairLink]:
+    """Connections to ``buddy`` and from ``ward`` (one when they are the same rank), through the
+    epoch's ``store``. Making one waits for its other rank, so every rank makes its pairs in the order
+    of the pairs' ranks, the same on every rank: no ring of ranks waits for each other."""
+    to_buddy, from_ward = (min(rank, buddy), max(rank, buddy)), (min(ward, rank), max(ward, rank))
+    made = {}
+    for pair in sorted({to_buddy, from_ward}):
+        prefixed = dist.PrefixStore(f"buddy-copies/{pair[0]}-{pair[1]}/", store)
+        made[pair] = PairLink(dist.ProcessGroupGloo(prefixed, pair.index(rank), 2, timeout), 1 - pair.index(rank))
+    return made[to_buddy], made[from_ward]
+
+
+def buddy_and_ward(plan: MeshPlan, rank: int) -> tuple[int, int] | None:
+    """``rank``'s buddy and ward in ``plan``; None when the plan keeps no buddy copies."""
+    state = plan.optimizer_state
+    if state is None or not state.buddies:
+        return None
+    buddies: list[int] = []
+    for r in range(plan.sizes.world):
+        buddy = plan.buddy_of(r)
+        if buddy is None:
+            return None  # one pod: no buddy (a valid plan then says buddies false)
+        buddies.append(buddy)
+    return buddies[rank], ward_of(buddies)[rank]

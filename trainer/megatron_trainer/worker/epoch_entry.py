@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,7 @@ from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
 from megatron_trainer.channel import CheckpointProblem, CollectiveFailed
 from megatron_trainer.faults import InjectionPoint
 from megatron_trainer.worker import checkpoint, rendezvous, training_loop
+from megatron_trainer.worker.buddy_copies import buddy_and_ward, exchange_links
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState, adopt_state, build_train_state, detach_state, sync_initial_weights
@@ -43,6 +45,7 @@ def enter(worker: Worker, plan: MeshPlan) -> None:
     member = plan.member(worker.pod)
     if member is None:
         worker.teardown()
+        worker.copies = None  # no plan takes a shard from a spare's copies: free their host memory
         worker.epoch = 0
         worker.move(WorkerState.SPARE, f"not a member of epoch {plan.epoch}", epoch=plan.epoch)
         return
@@ -146,6 +149,10 @@ class EpochJoin:
             worker.spec.failure_detection.collective_timeout_seconds,
             self.interrupted,
         )
+        pair = buddy_and_ward(self.plan, worker.rank) if worker.spec.training.optimizer.distributed else None
+        if pair is not None:  # with the epoch's groups: every rank makes its links here
+            limit = timedelta(seconds=worker.spec.failure_detection.collective_timeout_seconds)
+            worker.copy_links = exchange_links(worker.store, worker.rank, *pair, limit)
         self.phases["rendezvous"] = time.perf_counter() - t
         worker.activity = PeerActivity(worker.store)
         worker.out_of_step.clear()  # collectives from here on: an interrupt may need to abort them

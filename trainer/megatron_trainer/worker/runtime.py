@@ -31,6 +31,7 @@ from megatron_contract.mesh import BatchGeometry, MeshPlan
 from megatron_trainer.channel import Assign, Channel, Hello, Shutdown, WireModel, WireWorkerState, WorkerStatus
 from megatron_trainer.faults import FaultPlan
 from megatron_trainer.worker import abort, checkpoint, epoch_entry, progress_watch, rendezvous
+from megatron_trainer.worker.buddy_copies import BuddyCopies, PairLink
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
 from megatron_trainer.worker.lifecycle import WorkerState, check_transition
@@ -64,6 +65,7 @@ class Worker:
         self.spec = settings.spec
         self.pod = settings.pod
         self.sample_log_dir = settings.sample_log_dir
+        self.copy_log_dir = settings.copy_log_dir
         self.device = rendezvous.device_for(local_rank)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.faults = FaultPlan.from_env()
@@ -99,6 +101,9 @@ class Worker:
         self._send_lock = threading.Lock()
         self.phases: dict[str, float] = {}
         self.saver = checkpoint.CheckpointSaver(self.spec) if self.spec.checkpoint is not None else None
+        self.copy_links: tuple[PairLink, PairLink] | None = None  # the epoch's, to the buddy and from the ward
+        # The buddy copies of the epoch being trained, or of the last one (complete copies only).
+        self.copies: BuddyCopies | None = None
 
     # -- messaging ---------------------------------------------------------------------------------
 
@@ -237,6 +242,9 @@ class Worker:
         if self.ts is not None:
             self.held = detach_state(self.ts)
             self.ts = None
+        if self.copies is not None:
+            self.copies.abandon()  # a refresh in flight is incomplete; the complete copies stay
+        self.copy_links = None  # freed with the collection below, which closes their connections
         t = time.perf_counter()
         gc.collect()  # frames of the failed step may still reference modules
         self.phases["abort_gc"] = time.perf_counter() - t

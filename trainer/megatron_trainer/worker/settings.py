@@ -3,6 +3,8 @@
 Set by the agent: ``MEGATRON_JOB_SPEC`` (the full MegatronJobSpec as JSON) and
 ``MEGATRON_POD_NAME``. Optional, for tests and benchmarks: ``MEGATRON_WORKER_SAMPLE_LOG`` (a
 directory; one rank per replica appends the sample indices of every committed step),
+``MEGATRON_WORKER_COPY_LOG`` (a directory; every rank saves its buddy copies of each refresh and
+its optimizer shards at the step they copy),
 ``MEGATRON_WORKER_FAULTS`` / ``MEGATRON_WORKER_FAULT_LOG`` (see :mod:`megatron_trainer.faults`).
 
 On GPU the worker defaults the NCCL variables in-process recovery needs (a variable already set
@@ -25,6 +27,7 @@ from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import MegatronJobSpec
 
 ENV_SAMPLE_LOG = "MEGATRON_WORKER_SAMPLE_LOG"
+ENV_COPY_LOG = "MEGATRON_WORKER_COPY_LOG"
 
 NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
@@ -41,6 +44,7 @@ class WorkerSettings:
     spec: MegatronJobSpec
     pod: str
     sample_log_dir: str | None
+    copy_log_dir: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -57,7 +61,12 @@ class WorkerSettings:
         pod = env.get(wire.ENV_POD_NAME)
         if not pod:
             raise ValueError(f"{wire.ENV_POD_NAME} is not set")
-        return cls(spec=spec, pod=pod, sample_log_dir=env.get(ENV_SAMPLE_LOG) or None)
+        return cls(
+            spec=spec,
+            pod=pod,
+            sample_log_dir=env.get(ENV_SAMPLE_LOG) or None,
+            copy_log_dir=env.get(ENV_COPY_LOG) or None,
+        )
 
 
 def apply_nccl_defaults(environ: dict[str, str] | None = None) -> None:

@@ -6,6 +6,14 @@ step fails. A step (or a checkpoint save, which is collective) that fails for a 
 discarded: the worker leaves the epoch, reports the failure unless a newer plan caused it, and waits
 for the next plan. A suspend plan trains no step: it writes one checkpoint and waits for its pod to
 be deleted.
+
+With the distributed optimizer and a plan that keeps buddy copies, every ``replicaIntervalSteps``-th
+step starts a refresh of this rank's copies (worker/buddy_copies.py) and the step after it finishes
+it (the exchange runs during that step's compute), as does leaving the epoch at a step boundary or
+at its end; the copies held go to the agent (``ReplicaSteps``). A failed exchange is handled like a
+failed step; a failed step first gives the ward's copy of the refresh in flight a moment to arrive
+(:data:`SALVAGE_WAIT`). The copies only read the optimizer's state: training is the same with or
+without them.
 """
 
 from __future__ import annotations
@@ -13,17 +21,29 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_contract.mesh import MeshPlan
-from megatron_trainer.channel import CheckpointProblem, CheckpointSaved, CollectiveFailed, PhaseTimes, Progress
+from megatron_trainer.channel import (
+    CheckpointProblem,
+    CheckpointSaved,
+    CollectiveFailed,
+    PhaseTimes,
+    Progress,
+    ReplicaSteps,
+)
 from megatron_trainer.faults import InjectedFault, InjectionPoint
 from megatron_trainer.worker import checkpoint
+from megatron_trainer.worker.buddy_copies import GENERATIONS, BuddyCopies, buddy_and_ward
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
+from megatron_trainer.worker.optimizer_shards import STATE_KEYS, buffer_layouts, flat_shards
 from megatron_trainer.worker.step import StepResult, train_step
 from megatron_trainer.worker.watchdog import Phase
 
@@ -31,6 +51,10 @@ if TYPE_CHECKING:
     from megatron_trainer.worker.runtime import Worker
 
 log = logging.getLogger("megatron_trainer.worker")
+
+#: How long a failed step waits for its ward's copy of the refresh in flight: normally it arrived
+#: during the step; when it did not, the ward died or hung before sending it.
+SALVAGE_WAIT = timedelta(seconds=0.25)
 
 
 def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
@@ -41,11 +65,14 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
     dp_rank = plan.sizes.coords_of(worker.rank).dp
     logs_samples = _logs_samples(worker, plan)
     first = True
+    interval = _start_copies(worker, plan)
     worker.limits.reset()  # the epoch's first step is a warm-up: the collective timeout watches it
     while ts.step < worker.spec.training.train_iters:
         with worker.lock:
             nxt, shutdown = worker.pending_plan, worker.shutting_down
         if shutdown or (nxt is not None and nxt.resume_step <= ts.step):
+            if not shutdown:
+                _refresh_copies(worker, plan, due=False)  # the copy in flight completes before we leave
             return  # the main loop enters the next plan (or shuts down)
         if worker.aborted.is_set():  # by the watchdog between two steps
             _on_step_failure(worker, plan, f"aborted: {worker.abort_reason}")
@@ -70,8 +97,12 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
                 tokens_per_second=result.tokens / result.seconds if result.seconds > 0 else 0.0,
             )
         )
+        if not _refresh_copies(worker, plan, due=interval > 0 and ts.step % interval == 0):
+            return
         if worker.saver is not None and not _checkpoint_after_step(worker, plan):
             return
+    if not _refresh_copies(worker, plan, due=False):
+        return
     if worker.saver is not None:
         _report_checkpoint(worker, plan, worker.saver.finish(ts, plan.epoch, plan.sizes.model_dump()))
     worker.move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
@@ -111,6 +142,77 @@ def _run_step(worker: Worker, plan: MeshPlan, ts: TrainState, dp_rank: int) -> S
         return None
     worker.limits.record(compute_seconds)  # not when it was a warm-up step (worker/watchdog.py)
     return result
+
+
+def _start_copies(worker: Worker, plan: MeshPlan) -> int:
+    """The epoch's buddy copies, none yet (the buddies follow this plan); returns the steps between
+    refreshes, 0 when the epoch keeps no copies."""
+    pair = buddy_and_ward(plan, worker.rank)
+    links = worker.copy_links
+    worker.copies = None if pair is None or links is None else BuddyCopies(worker.rank, *pair, links=links)
+    if worker.copies is None or plan.optimizer_state is None or worker.ts is None:
+        return 0
+    interval = plan.optimizer_state.replica_interval_steps
+    # The ward's shards are as large where it sits at the same model-parallel position (two units or
+    # more, MeshPlan.buddy_of); their size is learnt at the first refresh.
+    rows = sum(b.shard_numel for b in buffer_layouts(worker.ts.optimizer))
+    own_bytes = GENERATIONS * rows * (1 + len(STATE_KEYS)) * 4  # fp32 rows (optimizer_shards.flat_shards)
+    log.info(
+        "epoch %d rank %d: buddy copies every %d steps, sent to rank %d, kept for rank %d: host memory "
+        "%.3f GB (%d bytes) for %d generations of its own shards, and its ward's",
+        plan.epoch,
+        worker.rank,
+        interval,
+        worker.copies.buddy,
+        worker.copies.ward,
+        own_bytes / 1e9,
+        own_bytes,
+        GENERATIONS,
+    )
+    return interval
+
+
+def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool) -> bool:
+    """Finish the refresh in flight, then start one when ``due``, and tell the agent which copies
+    this rank holds; False when the exchange failed (then handled like a failed step)."""
+    copies, ts = worker.copies, worker.ts
+    if copies is None or ts is None or not (due or copies.in_flight):
+        return True
+    worker.out_of_step.clear()
+    # Watched like a save: the collective timeout allows it, and a long one tells stalled peers
+    # that this rank is alive (worker/watchdog.py).
+    worker.marks.begin(Phase.CHECKPOINT, ts.step)
+    try:
+        if copies.in_flight:
+            copies.finish_refresh()
+            _log_copies(worker, copies, "copies")
+        if due:
+            copies.start_refresh(ts.step, flat_shards(ts.optimizer))
+            _log_copies(worker, copies, "state")
+    except RuntimeError as err:
+        if not (worker.aborted.is_set() or is_collective_error(err)):
+            raise
+        _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
+        return False
+    finally:
+        worker.marks.end()
+        worker.out_of_step.set()
+    worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
+    return True
+
+
+def _log_copies(worker: Worker, copies: BuddyCopies, kind: str) -> None:
+    """For tests (``MEGATRON_WORKER_COPY_LOG``): after a finished refresh (``copies``) the copies of
+    its step, this rank's and its ward's; after a started one (``state``) this rank's optimizer
+    shards read anew, to compare the copies with."""
+    if not worker.copy_log_dir or worker.ts is None:
+        return
+    if kind == "copies":
+        step = copies.complete_steps()[0]
+        saved = {"own": copies.own(step), "ward": copies.ward_copy(step), "ward_rank": copies.ward}
+    else:
+        step, saved = worker.ts.step, {"shards": flat_shards(worker.ts.optimizer)}
+    torch.save(saved, Path(worker.copy_log_dir) / f"{kind}-{worker.rank}-{step}.pt")
 
 
 def _report_phases(worker: Worker, plan: MeshPlan, phases: dict[str, float], first_step_seconds: float) -> None:
@@ -213,6 +315,9 @@ def _on_step_failure(worker: Worker, plan: MeshPlan, failure: str) -> None:
     if worker.detected_at is not None:
         worker.phases["step_exit"] = time.monotonic() - worker.detected_at
     log.warning("epoch %d step %d discarded: %s", plan.epoch, worker.completed, failure)
+    copies = worker.copies
+    if copies is not None and copies.salvage(SALVAGE_WAIT):  # before the report: the plan may use them
+        worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
     worker.teardown(aborted=True)
     if by_plan:
         return

@@ -69,7 +69,8 @@ class Phase(enum.StrEnum):
 
     STEP = "step"  # forward/backward, the step's collectives, the optimizer update
     DATA = "data"  # reading the step's samples (before any collective of the step)
-    CHECKPOINT = "checkpoint"  # starting, polling or completing a checkpoint save (collective)
+    # Starting, polling or completing a checkpoint save (collective), or a buddy-copy refresh.
+    CHECKPOINT = "checkpoint"
 
 
 class StepLimit:
