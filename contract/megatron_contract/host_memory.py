@@ -13,8 +13,8 @@ reduction) each buffer is one bucket; the sizes here bound that padding from abo
 The operator compares the pod's memory request with this need and says so in the job's
 ``HostMemoryShort`` condition. It warns rather than refuses at admission, though a CEL rule could
 (Kubernetes v1.33, the local API server, accepts ``quantity(...).asInteger() >= <int arithmetic>``
-in a CRD rule): the trainers do not make the copies yet, so a refusal would turn away jobs that
-train today; a memory request is not a limit (the container may use more); the need depends on
+in a CRD rule): the operator asks for no copies until the trainers restore from them, so a refusal
+would turn away jobs that train today; a memory request is not a limit (the container may use more); the need depends on
 the data-parallel size the elastic job runs at; and the rule would restate this arithmetic
 (presets, MoE, tp/pp splits, padding) in a second language.
 """

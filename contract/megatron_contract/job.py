@@ -223,9 +223,10 @@ class OptimizerSpec(WireModel):
         le=1_000_000,
         description="With distributed: steps between refreshes of the host copy of each rank's optimizer shard, kept "
         "by a rank on another pod (its buddy). 1 loses no completed step when a pod is lost; N redoes up to N-1 steps "
-        "for N times less copying. Until the trainers restore shards from these copies, a lost shard reloads the "
-        "checkpoint. Host memory per pod: gpusPerPod x 2 generations x (own + buddy's shard) x 12 bytes x parameters "
-        "of a rank's model part / (dp*cp), plus padding (29.7 GB for llama3-1b at dp 2, one GPU a pod); the "
+        "for N times less copying. Until the trainers restore shards from these copies, no copy is made and a lost "
+        "shard reloads the checkpoint. Host memory per pod: gpusPerPod x 2 generations x (own + buddy's shard) x 12 "
+        "bytes x parameters of a rank's model part / (dp*cp), plus padding (29.7 GB for llama3-1b at dp 2, one GPU a "
+        "pod); the "
         "HostMemoryShort condition compares it with the trainer container's memory request.",
     )
 

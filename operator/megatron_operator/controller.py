@@ -31,7 +31,7 @@ from megatron_contract.agent import AgentReport
 from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import kube, metrics, queueing, skew, suspend
+from megatron_operator import kube, metrics, optimizer_sources, queueing, skew, suspend
 from megatron_operator.builders import JobRef
 from megatron_operator.child_keeper import ChildKeeper
 from megatron_operator.delivery import PlanDelivery
@@ -819,7 +819,7 @@ class JobController:
         members = {m.pod for m in plan.members} if plan is not None else set()
         step = self.book.completed_step(self.job.uid, members)
         short = condition(self.status, ConditionType.HOST_MEMORY_SHORT)
-        host_memory = host_memory_condition(spec, short)
+        host_memory = host_memory_condition(spec, short, optimizer_sources.IN_MEMORY_RESTORE)
         obs = Observation(
             phase=phase,
             reason=reason,

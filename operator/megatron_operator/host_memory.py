@@ -19,10 +19,14 @@ from megatron_operator.status import Reason
 _WHAT = "of host memory for the distributed optimizer's buddy copies"
 
 
-def host_memory_condition(spec: MegatronJobSpec, old: Condition | None) -> tuple[bool, str, str] | None:
-    """(status, reason, message) of ``HostMemoryShort`` for ``spec``; None: leave it absent."""
+def host_memory_condition(
+    spec: MegatronJobSpec, old: Condition | None, copies_kept: bool
+) -> tuple[bool, str, str] | None:
+    """(status, reason, message) of ``HostMemoryShort`` for ``spec``; None: leave it absent.
+    ``copies_kept``: whether the operator asks the trainers for buddy copies
+    (``optimizer_sources.IN_MEMORY_RESTORE``); without, no pod needs memory for them."""
     try:
-        need = _need(spec.model_dump_json())
+        need = _need(spec.model_dump_json()) if copies_kept else None
     except ValueError as exc:  # a memory quantity the API server let through but not read here
         return False, Reason.MEMORY_NOT_REQUESTED, f"the trainer container's memory request cannot be read: {exc}"
     if need is None:

@@ -29,6 +29,12 @@ from megatron_contract.mesh import (
     StateSourceKind,
 )
 
+#: Whether the trainers restore distributed-optimizer shards from host copies and reshard them in
+#: memory: not yet. Until they do, the operator asks them for no copies (a refresh moves every shard
+#: to another pod each ``replicaIntervalSteps`` and holds ~4 x 12 bytes per shard element of host
+#: memory, for nothing) and a shard that moves reloads the checkpoint.
+IN_MEMORY_RESTORE = False
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSources:
@@ -70,7 +76,9 @@ def optimizer_sources(
         copy_steps: by pod, the steps of which it holds complete host copies (agents' reports).
         in_memory: the trainers restore shards from copies and reshard in memory.
     """
-    buddies = sizes.world // gpus_per_pod >= 2
+    # Copies cost host memory and a transfer of every shard each refresh: asked for only where the
+    # trainers restore from them.
+    buddies = in_memory and sizes.world // gpus_per_pod >= 2
     if previous is None:
         return OptimizerSources(_state(interval_steps, buddies, OptimizerSourceKind.INIT), 0, True)
     reload = OptimizerSources(_state(interval_steps, buddies, OptimizerSourceKind.CHECKPOINT), None, True)

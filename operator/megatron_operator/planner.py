@@ -218,7 +218,8 @@ def plan_mesh(
     spares = [p for p in healthy_spares if p.name not in failed_set and p.name not in active]
 
     if previous is None:
-        return _first_plan(spec, job_uid, shape, active, spares, checkpoint_step, now, store_hosts)
+        copies = _Copies({}, in_memory_optimizer)
+        return _first_plan(spec, job_uid, shape, active, spares, checkpoint_step, now, store_hosts, copies)
 
     previous_units = _previous_units(previous, shape)
     uid_of = {m.pod: m.pod_uid for m in previous.members}
@@ -298,6 +299,7 @@ def _first_plan(
     checkpoint_step: int | None,
     now: datetime | None,
     store_hosts: Sequence[str],
+    copies: _Copies,
 ) -> PlanDecision:
     """The job's first plan: as many whole units of the pods as the spec asks for, workers first."""
     max_units, min_units = shape.units_for(spec.replicas), shape.units_for(spec.min_replicas)
@@ -324,7 +326,7 @@ def _first_plan(
         now,
         store_hosts,
         True,
-        _NO_COPIES,
+        copies,  # none yet; whether to keep them
     )
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
 
@@ -391,11 +393,12 @@ def plan_resume(
     *,
     store_hosts: Sequence[str] = (),
     now: datetime | None = None,
+    in_memory_optimizer: bool = False,
 ) -> PlanDecision:
     """The plan of a suspended job's new pods: laid out as a first plan (the spec's mesh, as far as
     ``pods`` allow), numbered after ``previous`` (the plan in force when the job stopped, whose pods
     are gone), every rank loading the checkpoint of ``checkpoint_step`` (from the seed when there
-    is none: nothing was trained)."""
+    is none: nothing was trained). ``in_memory_optimizer`` as for :func:`plan_mesh`."""
     shape = UnitShape.of(spec)
     n_units = shape.whole(min(shape.units_for(spec.replicas), len(pods) // shape.pods_per_unit))
     if n_units < shape.units_for(spec.min_replicas) or n_units == 0:
@@ -415,7 +418,7 @@ def plan_resume(
         now,
         store_hosts,
         False,
-        _NO_COPIES,  # the suspended pods, and the host copies they held, are gone
+        _Copies({}, in_memory_optimizer),  # the suspended pods, and the host copies they held, are gone
     )
     start = f"the checkpoint of step {checkpoint_step}" if checkpoint_step is not None else "the seed (nothing trained)"
     return PlanDecision(
@@ -532,9 +535,6 @@ class _Copies:
 
     steps: Mapping[str, Collection[int]]  # by pod: steps of the complete copies it holds
     in_memory: bool  # the trainers restore shards from them (and reshard in memory)
-
-
-_NO_COPIES = _Copies({}, False)
 
 
 def _with_optimizer_shards(

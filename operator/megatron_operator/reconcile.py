@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from megatron_contract import wire
 from megatron_contract.job import JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
+from megatron_operator import optimizer_sources
 from megatron_operator import suspend as suspension
 from megatron_operator.failures import Failure, FailureReason, PodFacts, PodHealth, classify_pod
 from megatron_operator.heartbeats import Accusation
@@ -416,7 +417,16 @@ def _next_plan(
         if len(usable) >= spec.worker_pods or (start_small and usable):
             workers = [ref[p.name] for p in usable if p.role == wire.ROLE_WORKER]
             spares = [ref[p.name] for p in usable if p.role != wire.ROLE_WORKER]
-            decision = plan_mesh(spec, job_uid, workers, spares, failed, None, store_hosts=signals.fresh)
+            decision = plan_mesh(
+                spec,
+                job_uid,
+                workers,
+                spares,
+                failed,
+                None,
+                store_hosts=signals.fresh,
+                in_memory_optimizer=optimizer_sources.IN_MEMORY_RESTORE,
+            )
             return _Verdict(decision, resuming=resuming)
         return _Verdict(None, resuming=resuming)
     if any(health.get(m, (None,))[0] is PodHealth.SUCCEEDED for m in members):  # the others finish too
@@ -443,6 +453,7 @@ def _next_plan(
             checkpoint_step=checkpoint_step,
             store_hosts=[h for h in signals.fresh if h not in away],
             previous_trained=status.committed_epoch >= plan.epoch,
+            in_memory_optimizer=optimizer_sources.IN_MEMORY_RESTORE,
             retry=retry or _abandoned(plan, signals, failed),
             placement=placement,
         )
@@ -597,7 +608,15 @@ def _resume(
     usable = [PodRef(p.name, p.uid, p.ip or "") for p in ready if p.name in warm]
     decision: PlanDecision | None = None
     if len(usable) >= spec.worker_pods or (start_small and usable):
-        decision = plan_resume(spec, job_uid, usable, plan, checkpoint_step, store_hosts=signals.fresh)
+        decision = plan_resume(
+            spec,
+            job_uid,
+            usable,
+            plan,
+            checkpoint_step,
+            store_hosts=signals.fresh,
+            in_memory_optimizer=optimizer_sources.IN_MEMORY_RESTORE,
+        )
         lost = _state_lost(status, plan, decision.plan)
         if lost is not None:
             return _wind_down(status, pods, plan, known_failures, terminal=lost, failures=tuple(failures))

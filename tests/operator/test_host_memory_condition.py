@@ -20,6 +20,7 @@ from test_version_skew import FakeKube, _controller, _running_status
 
 from megatron_contract.host_memory import pod_copy_bytes, quantity_bytes, trainer_memory_request
 from megatron_contract.job import Condition, ConditionType, MegatronJobSpec
+from megatron_operator import optimizer_sources
 from megatron_operator.builders import JobRef, build_pod
 from megatron_operator.host_memory import host_memory_condition
 from megatron_operator.status import Reason
@@ -40,24 +41,24 @@ def test_a_request_below_the_need_is_short_naming_both_byte_counts() -> None:
     spec = _spec("500Ki")
     need = pod_copy_bytes(spec, 2)
     assert need > 500 * 1024  # the tiny GPT's copies: 4 x 12 bytes per shard element, about 750 KiB
-    status, reason, message = host_memory_condition(spec, None) or (None, None, "")
+    status, reason, message = host_memory_condition(spec, None, True) or (None, None, "")
     assert (status, reason) == (True, Reason.HOST_MEMORY_SHORT)
     assert f"{need} bytes" in message and f"{500 * 1024} bytes" in message and "2 data-parallel replicas" in message
 
 
 def test_a_request_holding_the_copies_is_sufficient_and_none_is_said_but_not_warned() -> None:
-    assert host_memory_condition(_spec("1Gi"), None)[:2] == (False, Reason.HOST_MEMORY_SUFFICIENT)  # type: ignore[index]
-    status, reason, message = host_memory_condition(_spec(), None) or (None, None, "")
+    assert host_memory_condition(_spec("1Gi"), None, True)[:2] == (False, Reason.HOST_MEMORY_SUFFICIENT)  # type: ignore[index]
+    status, reason, message = host_memory_condition(_spec(), None, True) or (None, None, "")
     assert (status, reason) == (False, Reason.MEMORY_NOT_REQUESTED) and "requests no memory" in message
 
 
 def test_without_copies_the_condition_stays_absent_or_turns_false() -> None:
     plain = make_spec(replicas=2, spares=0)  # not the distributed optimizer
-    assert host_memory_condition(plain, None) is None
+    assert host_memory_condition(plain, None, True) is None
     was = Condition(
         type="HostMemoryShort", status="True", reason="HostMemoryShort", last_transition_time="2026-01-01T00:00:00Z"
     )
-    assert host_memory_condition(plain, was)[:2] == (False, Reason.NO_BUDDY_COPIES)  # type: ignore[index]
+    assert host_memory_condition(plain, was, True)[:2] == (False, Reason.NO_BUDDY_COPIES)  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,7 @@ def _short(ctl: Any) -> Condition | None:
 
 
 def test_the_controller_writes_the_condition_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(optimizer_sources, "IN_MEMORY_RESTORE", True)  # trainers that keep copies
     fake = FakeKube(monkeypatch)
     ctl = _controller(_running_status(), resources={"requests": {"memory": "500Ki"}})
     _distributed(ctl.body["spec"])
@@ -104,6 +106,17 @@ def test_the_controller_writes_the_condition_and_warns_once(monkeypatch: pytest.
 def test_a_job_without_copies_gets_no_condition(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeKube(monkeypatch)
     ctl = _controller(_running_status())
+    ctl.settling = False
+    asyncio.run(ctl.reconcile_once())
+    assert _short(ctl) is None
+
+
+def test_no_condition_while_the_operator_asks_for_no_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the trainers restore from them (optimizer_sources.IN_MEMORY_RESTORE), no copies are kept."""
+    assert host_memory_condition(_spec("500Ki"), None, False) is None
+    FakeKube(monkeypatch)
+    ctl = _controller(_running_status(), resources={"requests": {"memory": "500Ki"}})
+    _distributed(ctl.body["spec"])
     ctl.settling = False
     asyncio.run(ctl.reconcile_once())
     assert _short(ctl) is None

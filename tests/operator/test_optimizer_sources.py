@@ -5,7 +5,8 @@ Scenarios:
   redone; with the copies one step behind, every rank goes back to the copies and the plan says
   how many steps are redone; with the copies unknown, everyone reloads the checkpoint;
 - a shrink reshards from the old owners and the buddies of the lost ones;
-- trainers without in-memory restore (the default) reload the checkpoint whenever a shard moves;
+- trainers without in-memory restore (the default) reload the checkpoint whenever a shard moves,
+  and are asked for no copies;
 - one pod: no buddy on another pod, no copies.
 - property (hypothesis), over meshes (tp, pp, cp, ep, gpus per pod, pods): the buddy assignment is
   a permutation (every rank keeps one copy, every pod gpusPerPod copies), deterministic, puts
@@ -43,8 +44,8 @@ def distributed_spec(**fields: object) -> MegatronJobSpec:
     return MegatronJobSpec.model_validate(wire)
 
 
-def _initial(spec: MegatronJobSpec, pods: list[PodRef]) -> MeshPlan:
-    decision = plan_mesh(spec, JOB_UID, pods, [], [], None)
+def _initial(spec: MegatronJobSpec, pods: list[PodRef], in_memory: bool = True) -> MeshPlan:
+    decision = plan_mesh(spec, JOB_UID, pods, [], [], None, in_memory_optimizer=in_memory)
     assert decision.plan is not None
     return decision.plan
 
@@ -135,6 +136,7 @@ def test_trainers_without_in_memory_restore_reload_the_checkpoint() -> None:
     new = _replace(spec, plan, pods, ["p0"], {"p1": [20]}, in_memory=False)
     assert new.optimizer_state is not None and new.optimizer_state.source is OptimizerSourceKind.CHECKPOINT
     assert new.default_source is StateSourceKind.CHECKPOINT and new.resume_step == 10
+    assert not new.optimizer_state.buddies and not _initial(spec, pods[:2], in_memory=False).optimizer_state.buddies
 
 
 def test_a_shrink_reshards_from_old_owners_and_the_lost_ranks_buddies() -> None:
@@ -183,10 +185,13 @@ def test_a_copy_not_of_the_resume_step_is_refused() -> None:
 # -- properties -----------------------------------------------------------------------------------
 
 
-def check_buddies(plan: MeshPlan) -> None:
+def check_buddies(plan: MeshPlan, in_memory: bool = True) -> None:
     state = plan.optimizer_state
     assert state is not None
     pod_of = plan.pod_of_rank()
+    if not in_memory:  # copies only for trainers that restore from them
+        assert not state.buddies
+        return
     if len(plan.members) < 2:
         assert not state.buddies and plan.buddy_of(0) is None
         return
@@ -212,7 +217,7 @@ def check_buddies(plan: MeshPlan) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs(distributed_spec), pods=st.integers(1, 8))
 def test_buddies_are_on_other_pods_deterministic_and_balanced(spec: MegatronJobSpec, pods: int) -> None:
-    decision = plan_mesh(spec, JOB_UID, make_pod_refs(pods), [], [], None)
+    decision = plan_mesh(spec, JOB_UID, make_pod_refs(pods), [], [], None, in_memory_optimizer=True)
     if decision.outcome is Outcome.WAIT:
         return
     assert decision.plan is not None
@@ -239,7 +244,7 @@ def test_every_restored_shard_has_a_live_source_or_everyone_reloads(
     shape = UnitShape.of(spec)
     serial = spec.worker_pods + spec.spares
     healthy = {p.name: p for p in make_pod_refs(serial)}
-    plan = _initial(spec, list(healthy.values())[: spec.worker_pods])
+    plan = _initial(spec, list(healthy.values())[: spec.worker_pods], in_memory)
     failed: set[str] = set()
     completed = 0
     for kind, pick, count, lags in history:
@@ -281,7 +286,7 @@ def test_every_restored_shard_has_a_live_source_or_everyone_reloads(
             continue
         new = decision.plan
         assert new is not None
-        check_buddies(new)
+        check_buddies(new, in_memory)
         check_sources(plan, new, copies, completed, checkpoint, in_memory)
         if (
             in_memory
