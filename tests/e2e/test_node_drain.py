@@ -11,7 +11,7 @@ drained node keeps no pod of the job, and the job succeeds.
 
 With no spare, the same drain shrinks the mesh around the leaving member (a ``migrate`` plan of one
 data-parallel replica, the state already in the survivor), with the same checks, except that the
-steps before the plan's boundary need not all be the old mesh's: in two runs of eight (one local, one
+steps before the plan's boundary need not all be the old mesh's: in two runs of eleven (one local, one
 in CI, both on a quiet machine with fast CPU steps), both members of the old mesh stopped making
 progress for ~20 s from the moment the migrate plan reached the survivor, before its boundary, no
 watchdog firing, until the operator grew the job onto the new pod (a ``grow`` plan resuming at the
