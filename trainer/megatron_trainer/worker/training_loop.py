@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_contract.host_memory import ADAM_BYTES_PER_ELEMENT
 from megatron_contract.mesh import MeshPlan
 from megatron_trainer.channel import (
     CheckpointProblem,
@@ -43,7 +44,7 @@ from megatron_trainer.worker.buddy_copies import GENERATIONS, BuddyCopies, buddy
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
-from megatron_trainer.worker.optimizer_shards import STATE_KEYS, buffer_layouts, flat_shards
+from megatron_trainer.worker.optimizer_shards import buffer_layouts, flat_shards
 from megatron_trainer.worker.step import StepResult, train_step
 from megatron_trainer.worker.watchdog import Phase
 
@@ -156,7 +157,7 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     # The ward's shards are as large where it sits at the same model-parallel position (two units or
     # more, MeshPlan.buddy_of); their size is learnt at the first refresh.
     rows = sum(b.shard_numel for b in buffer_layouts(worker.ts.optimizer))
-    own_bytes = GENERATIONS * rows * (1 + len(STATE_KEYS)) * 4  # fp32 rows (optimizer_shards.flat_shards)
+    own_bytes = GENERATIONS * rows * ADAM_BYTES_PER_ELEMENT  # fp32 rows (optimizer_shards.flat_shards)
     log.info(
         "epoch %d rank %d: buddy copies every %d steps, sent to rank %d, kept for rank %d: host memory "
         "%.3f GB (%d bytes) for %d generations of its own shards, and its ward's",
