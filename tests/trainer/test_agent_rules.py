@@ -15,7 +15,9 @@ Scenarios:
   first, at most four; none while a worker said nothing, or spoke of another epoch; a worker's
   message must list distinct steps, newest first, at most four;
 - settings: read from an environment mapping with defaults from the spec; each missing or
-  malformed variable is named in the error; spec fields a newer operator sends are ignored.
+  malformed variable is named in the error; spec fields a newer operator sends are ignored;
+- worker environment: the agent's own plus the spec and pod name, one CPU thread for torch unless
+  the pod's environment sets ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from megatron_trainer.agent.plan_acceptance import (
 )
 from megatron_trainer.agent.reports import common_replica_steps
 from megatron_trainer.agent.settings import DEFAULT_WORKER_COMMAND, AgentSettings, SettingsError, hang_timeout_for
-from megatron_trainer.agent.supervisor import silence_allowed, stopped_silence
+from megatron_trainer.agent.supervisor import silence_allowed, stopped_silence, worker_environment
 from megatron_trainer.channel import Alive, ReplicaSteps
 
 PODS = [PodAddress("p0", "127.0.0.1"), PodAddress("p1", "127.0.0.2")]
@@ -286,3 +288,15 @@ def test_spec_fields_of_a_newer_operator_are_ignored(caplog: pytest.LogCaptureFi
 def test_settings_errors_name_the_variable(changes: dict[str, str | None], named: str) -> None:
     with pytest.raises(SettingsError, match=named):
         AgentSettings.from_env(make_env(**changes))
+
+
+def test_workers_get_one_cpu_thread_unless_the_pod_says_otherwise() -> None:
+    env = worker_environment({"PATH": "/bin"}, '{"x": 1}', "pod-a")
+    assert env == {
+        "PATH": "/bin",
+        wire.ENV_JOB_SPEC: '{"x": 1}',
+        wire.ENV_POD_NAME: "pod-a",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    assert worker_environment({"OMP_NUM_THREADS": "8"}, "{}", "pod-a")["OMP_NUM_THREADS"] == "8"

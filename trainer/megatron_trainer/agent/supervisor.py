@@ -313,9 +313,15 @@ def signal_group(leader: int, sig: int) -> None:
 
 
 def worker_environment(base: Mapping[str, str], spec_json: str, pod_name: str) -> dict[str, str]:
-    """The workers' environment: the agent's own plus the spec and pod name the worker reads."""
+    """The workers' environment: the agent's own plus the spec and pod name the worker reads.
+
+    Like torchrun, one CPU thread per worker for torch's operators unless the pod's environment
+    says otherwise (``OMP_NUM_THREADS``): by default each worker would start one per core of the
+    node, and the workers of every pod on the node would then fight for the cores, stalling steps
+    for seconds (long enough for the hang watchdog). The GPUs do the work."""
     env = dict(base)
     env[wire.ENV_JOB_SPEC] = spec_json
     env[wire.ENV_POD_NAME] = pod_name
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
