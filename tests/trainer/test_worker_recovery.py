@@ -19,6 +19,8 @@ The test process plays agent and operator (see ``worker_harness``). Scenarios:
   survivors of one DP group hold different steps. A plan keeping all four survivors recovers in
   place: the rank behind receives its DP peer's state, every rank resumes at the newer step with
   bit-identical state, no committed step is redone, and every loss equals the failure-free run.
+  Stalled on a rank that logs its replica's samples (TP rank 0), that step's share is logged once
+  it is known committed: every step's samples exactly once.
 
 Each worker is a full process that is never restarted: survivors reconfigure in place.
 """
@@ -40,6 +42,7 @@ from worker_harness import (
     wait_for,
 )
 
+from localcluster.chaos import check_history, read_samples
 from megatron_contract.job import CheckpointSpec
 from megatron_contract.mesh import PlanReason, StateSource, StateSourceKind
 from megatron_trainer.channel import CollectiveFailed, PhaseTimes, Progress, WorkerStatus
@@ -206,14 +209,18 @@ def test_lost_only_replica_restores_from_the_checkpoint_with_identical_loss(
     assert min(redone) == newest + 1 and max(redone) == iters
 
 
+# Rank 1 is TP rank 1 of replica 0, rank 0 TP rank 0 (which logs the replica's samples); the DP peer
+# of either is the same TP rank of replica 1 (rank + 2).
+@pytest.mark.parametrize("stalled", [FAULT_RANK, 0])
 def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
-    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float], stalled: int
 ) -> None:
     # Past the step limit however slow the loaded CPU (max(1 s, 3 x the epoch's median step), capped
     # at the collective timeout): the watchdog calls it a hang and aborts the step.
     timeout = 8.0
+    peer = stalled + 2
     stall = FaultPlan().fail_at(
-        rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=timeout + 4, point=InjectionPoint.BEFORE_UPDATE
+        rank=stalled, step=FAULT_STEP, fault=Fault.DELAY, seconds=timeout + 4, point=InjectionPoint.BEFORE_UPDATE
     )
     cluster = make_cluster(
         make_spec(train_iters=TRAIN_ITERS, collective_timeout=timeout), tmp_path, fault_env(tmp_path, stall)
@@ -221,7 +228,7 @@ def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
     cluster.boot(["a", "b"])
     cluster.assign(cluster.plan(["a", "b"]))
     cluster.wait_failed_reports(["a", "b"], epoch=1)
-    behind = cluster.pods["a"][FAULT_RANK]
+    behind = cluster.pods["a"][stalled]
     ahead = [w for w in cluster.workers() if w is not behind]
     assert behind.last_step() == FAULT_STEP, "the stalled rank's step was aborted before its optimizer update"
     assert [w.last_step() for w in ahead] == [FAULT_STEP + 1] * 3, "its peers committed that step"
@@ -245,7 +252,13 @@ def test_survivor_a_step_behind_its_dp_peer_catches_up_in_place(
         rank, moved, step, checksum = found.groups()
         entered[int(rank)] = (int(moved) > 0, int(step), checksum)
     assert {r: e[1] for r, e in entered.items()} == dict.fromkeys(range(4), FAULT_STEP + 1)
-    # Only DP group {1, 3} moved state (rank 3 sent to rank 1); its members hold the same bits.
-    assert {r: e[0] for r, e in entered.items()} == {0: False, 1: True, 2: False, 3: True}
-    assert entered[1][2] == entered[3][2]
-    assert f"rank 1 holds step {FAULT_STEP}, its DP peer 3 holds step {FAULT_STEP + 1}" in behind.log_path.read_text()
+    # Only the stalled rank's DP group moved state (the peer sent to it); its members hold the same bits.
+    assert {r: e[0] for r, e in entered.items()} == {r: r in (stalled, peer) for r in range(4)}
+    assert entered[stalled][2] == entered[peer][2]
+    held = f"rank {stalled} holds step {FAULT_STEP}, its DP peer {peer} holds step {FAULT_STEP + 1}"
+    assert held in behind.log_path.read_text()
+    problems, history, redone = check_history(
+        read_samples(cluster.sample_dir), TRAIN_ITERS, cluster.spec.training.global_batch_size, victims=set()
+    )
+    assert problems == [] and redone == [], (problems, redone)
+    assert all(epoch == (1 if step <= FAULT_STEP else 2) for step, epoch in history.items()), history

@@ -44,6 +44,7 @@ def enter(worker: Worker, plan: MeshPlan) -> None:
     train in it until the epoch ends (done, a newer plan, a failure) or, for a suspend, save."""
     member = plan.member(worker.pod)
     if member is None:
+        worker.refused_step = None  # others may train that step again meanwhile
         worker.teardown()
         worker.copies = None  # no plan takes a shard from a spare's copies: free their host memory
         worker.epoch = 0
@@ -61,6 +62,7 @@ def enter(worker: Worker, plan: MeshPlan) -> None:
     worker.rank = member.ranks[worker.local_rank]
     if not EpochJoin(worker, plan, phases, begin).run():
         return
+    training_loop.log_refused_step(worker)
     if plan.reason is PlanReason.SUSPEND:
         training_loop.save_and_stop(worker, plan)
         return

@@ -37,7 +37,7 @@ from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
 from megatron_trainer.worker.lifecycle import WorkerState, check_transition
 from megatron_trainer.worker.model import HeldState, TrainState, build_train_state, detach_state
 from megatron_trainer.worker.settings import WorkerSettings
-from megatron_trainer.worker.step import train_step
+from megatron_trainer.worker.step import RefusedStep, train_step
 from megatron_trainer.worker.watchdog import GLOO_FLOOR_SECONDS, PeerActivity, ProgressMarks, StepLimit
 
 # is_collective_error lived here before collective_errors.py; others still import it from here.
@@ -98,6 +98,8 @@ class Worker:
         self.out_of_step.set()
         self.last_abort: abort.Abort | None = None  # the last epoch's communicator aborts
         self.completed = 0  # steps completed, readable by the reader thread
+        # The last step this rank discarded at its update, for the sample log (training_loop.py).
+        self.refused_step: RefusedStep | None = None
         self._send_lock = threading.Lock()
         self.phases: dict[str, float] = {}
         self.saver = checkpoint.CheckpointSaver(self.spec) if self.spec.checkpoint is not None else None

@@ -41,6 +41,28 @@ class StepResult:
     tokens: int  # tokens of the global batch
 
 
+class UpdateRefused(StepAborted):
+    """The epoch was aborted after every collective of the step, just before this rank's optimizer
+    update. Its data-parallel peers may have committed the step, this rank's gradients included:
+    ``trained`` (set by :func:`train_step`) is what this rank contributed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.trained: StepResult | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedStep:
+    """A step this rank trained up to its update and then discarded (:class:`UpdateRefused`), as
+    the epoch it ran in numbered it."""
+
+    epoch: int
+    rank: int
+    dp_rank: int
+    step: int
+    trained: StepResult
+
+
 def wait_for_stream(device: torch.device, aborted: Callable[[], bool]) -> None:
     """Wait for the work queued on this thread's stream; raise :class:`StepAborted` as soon as the
     epoch is aborted. No-op on CPU, where collectives block the host themselves."""
@@ -74,7 +96,7 @@ def guard_commit(
         wait_for_stream(device, aborted)  # the step's collectives have really finished (or were aborted)
         update_hook(ts.step)
         if aborted():
-            raise StepAborted("epoch aborted before the optimizer update")
+            raise UpdateRefused("epoch aborted before the optimizer update")
         return inner()
 
     ts.optimizer.step_with_ready_grads = guarded
@@ -160,15 +182,18 @@ def train_step(
         ts.optimizer.step()
         return StepResult(loss=float("nan"), samples=(), seconds=time.perf_counter() - start, tokens=0)
     loss = _global_loss(reported, device, parallel_state, aborted)
-    ok, _grad_norm, _ = ts.optimizer.step()
+    samples = tuple(i for mb in mbs for i in mb.indices)
+    tokens = batch.global_batch_size * seq
+    try:
+        ok, _grad_norm, _ = ts.optimizer.step()
+    except UpdateRefused as refused:
+        refused.trained = StepResult(loss=loss, samples=samples, seconds=time.perf_counter() - start, tokens=tokens)
+        raise
     if not ok:
         raise RuntimeError(f"optimizer skipped step {ts.step} (non-finite gradients)")
     ts.step += 1
     ts.scheduler.step(1)
-    samples = tuple(i for mb in mbs for i in mb.indices)
-    return StepResult(
-        loss=loss, samples=samples, seconds=time.perf_counter() - start, tokens=batch.global_batch_size * seq
-    )
+    return StepResult(loss=loss, samples=samples, seconds=time.perf_counter() - start, tokens=tokens)
 
 
 def _global_loss(

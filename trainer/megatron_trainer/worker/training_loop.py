@@ -45,7 +45,7 @@ from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
 from megatron_trainer.worker.optimizer_shards import buffer_layouts, flat_shards
-from megatron_trainer.worker.step import StepResult, train_step
+from megatron_trainer.worker.step import RefusedStep, StepResult, UpdateRefused, train_step
 from megatron_trainer.worker.watchdog import Phase
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
             _report_phases(worker, plan, phases, result.seconds)
             first = False
         if logs_samples:
-            _log_samples(worker, plan, dp_rank, ts.step - 1, result.samples, result.loss)
+            _log_samples(worker, plan.epoch, worker.rank, dp_rank, ts.step - 1, result.samples, result.loss)
         worker.send(
             Progress(
                 epoch=plan.epoch,
@@ -135,6 +135,8 @@ def _run_step(worker: Worker, plan: MeshPlan, ts: TrainState, dp_rank: int) -> S
         if not (worker.aborted.is_set() or is_collective_error(err)):
             raise  # a bug or a bad configuration: no reconfiguration will fix it
         failure = f"{type(err).__name__}: {err}"
+        if isinstance(err, UpdateRefused) and err.trained is not None and _logs_samples(worker, plan):
+            worker.refused_step = RefusedStep(plan.epoch, worker.rank, dp_rank, step_index, err.trained)
     finally:
         compute_seconds = worker.marks.end()
         worker.out_of_step.set()
@@ -335,18 +337,42 @@ def _logs_samples(worker: Worker, plan: MeshPlan) -> bool:
     return c.tp == 0 and c.cp == 0 and c.pp == 0
 
 
+def log_refused_step(worker: Worker) -> None:
+    """After joining a new epoch: log the samples of the step this rank discarded at its update in
+    the previous one when its data-parallel peers committed that step, with this rank's gradients
+    (the state it now holds is past that step); forget that step either way. Called for the epoch
+    right after, before anything trains: a later one may have trained that step again."""
+    refused, worker.refused_step = worker.refused_step, None
+    if refused is None or worker.ts is None or worker.ts.step <= refused.step:
+        return
+    log.info(
+        "epoch %d step %d, discarded here at the update, was committed by the data-parallel peers",
+        refused.epoch,
+        refused.step,
+    )
+    _log_samples(
+        worker,
+        refused.epoch,
+        refused.rank,
+        refused.dp_rank,
+        refused.step,
+        refused.trained.samples,
+        refused.trained.loss,
+    )
+
+
 def _log_samples(
-    worker: Worker, plan: MeshPlan, dp_rank: int, step: int, samples: tuple[int, ...], loss: float
+    worker: Worker, epoch: int, rank: int, dp_rank: int, step: int, samples: tuple[int, ...], loss: float
 ) -> None:
     """Append a committed step's sample indices to this process's sample log, one JSON line per step
     (``MEGATRON_WORKER_SAMPLE_LOG``: tests and benchmarks check the sample accounting with it)."""
     assert worker.sample_log_dir is not None
     path = Path(worker.sample_log_dir) / f"{worker.pod}-{worker.local_rank}.jsonl"
     record = {
-        "epoch": plan.epoch,
+        "epoch": epoch,
         "step": step,
         "dpRank": dp_rank,
-        "rank": worker.rank,
+        "rank": rank,
         "samples": list(samples),
         "loss": loss,
     }
