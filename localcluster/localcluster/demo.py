@@ -168,7 +168,7 @@ def _goodput(status: dict[str, Any]) -> None:
         f"goodput {g['ratio']:.1%}: {g['productiveSeconds']:.1f} s of kept steps in {g['wallSeconds']:.1f} s; "
         f"lost: {lost}"
     )
-    print("(a demo job is mostly start-up: pods, imports and model build take longer than its 40 tiny steps)")
+    print("(a demo job is mostly start-up: pods, imports and model build take longer than its tiny steps)")
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from e2e_support import (
+    LONG_RUN_ITERS,
     dump,
     job_status,
     make_elastic_job,
@@ -34,13 +35,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 process_nodes = process_nodes_fixture(4, "e2e")
+#: Long enough to be still training after a kill seen at step 5 and its recovery (CPU steps of this
+#: tiny job take ~0.02-0.05 s).
+ITERS = LONG_RUN_ITERS
 
 
 def test_spare_replaces_a_killed_worker_and_training_completes(
     local_cluster: LocalCluster, process_nodes: NodeAgent, namespace: str, tmp_path: Path
 ) -> None:
     log = tmp_path / "operator.log"
-    job = make_elastic_job(train_iters=60)
+    job = make_elastic_job(train_iters=ITERS)
 
     show = partial(dump, local_cluster, namespace, log)
 
@@ -72,7 +76,7 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
             details=show,
         )
         final = wait_for_phase(local_cluster, namespace, "e2e", "Succeeded", 600, show)
-        assert final["recoveries"] == 1 and final["step"] == 60, show()
+        assert final["recoveries"] == 1 and final["step"] == ITERS, show()
 
 
 def test_children_deleted_while_the_operator_is_down_are_restored_and_training_completes(
@@ -91,8 +95,9 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
 
     port = free_port()  # both operator processes: the pods report to the URL they were created with
     with running_operator(local_cluster, namespace, log, port):
-        # Long enough that the new spare is warm before training ends (a finished job drops its spares).
-        submit(local_cluster, namespace, make_elastic_job(name, train_iters=300))
+        # Long enough that the new spare is warm before training ends (a finished job drops its spares):
+        # the job trains on while the operator restarts, and the new spare takes ~10 s to start.
+        submit(local_cluster, namespace, make_elastic_job(name, train_iters=5 * ITERS))
         wait_for_step(local_cluster, namespace, name, 5, 300, show)
     before = token()
     assert before
@@ -120,4 +125,4 @@ def test_children_deleted_while_the_operator_is_down_are_restored_and_training_c
             details=show,
         )
         final = wait_for_phase(local_cluster, namespace, name, "Succeeded", 600, show)
-        assert final["recoveries"] == 1 and final["step"] == 300, show()
+        assert final["recoveries"] == 1 and final["step"] == 5 * ITERS, show()

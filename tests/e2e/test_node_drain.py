@@ -10,14 +10,8 @@ no step was committed twice (none redone) and each step consumed exactly its glo
 drained node keeps no pod of the job, and the job succeeds.
 
 With no spare, the same drain shrinks the mesh around the leaving member (a ``migrate`` plan of one
-data-parallel replica, the state already in the survivor), with the same checks, except that the
-steps before the plan's boundary need not all be the old mesh's: in two runs of eleven (one local, one
-in CI, both on a quiet machine with fast CPU steps), both members of the old mesh stopped making
-progress for ~20 s from the moment the migrate plan reached the survivor, before its boundary, no
-watchdog firing, until the operator grew the job onto the new pod (a ``grow`` plan resuming at the
-step they held) and deleted the leaving pod. No step was redone and every sample was consumed once
-then too; the stall is not yet explained. What is checked is that no step from the boundary on was
-trained by the old mesh.
+data-parallel replica, the state already in the survivor), with the same checks: the old mesh trains
+every step before the plan's boundary, the new epochs every step from it.
 """
 
 from __future__ import annotations
@@ -156,7 +150,10 @@ def test_kubectl_drain_with_no_spare_shrinks_the_mesh_without_losing_a_step(
         problems, history, redone = check_history(read_samples(samples), ITERS, GLOBAL_BATCH, victims=set())
         assert problems == [] and redone == [], (problems, redone)
         boundary = moved["resumeStep"]
-        assert boundary < ITERS and all(history[s] >= 2 for s in range(boundary, ITERS)), (boundary, history)
+        assert boundary < ITERS and {s for s, epoch in history.items() if epoch >= 2} == set(range(boundary, ITERS)), (
+            boundary,
+            history,
+        )
 
 
 def _node_of(cluster: LocalCluster, namespace: str, pod: str) -> str:
