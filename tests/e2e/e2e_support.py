@@ -19,8 +19,12 @@ JOBS = "/apis/megatron.dev/v1alpha1/namespaces/{ns}/megatronjobs"
 #: Steps of a job that moves to a new plan without a failure (a drain, a suspension, an eviction). The
 #: move waits for a step boundary about 6 s of training ahead (planner.boundary_lead: the reports' lag
 #: and the push, twice over, counted at the fastest recent step): at this job's fastest CPU steps
-#: (~0.02 s) that is 300 steps. A shorter job ends before the move takes effect.
-LONG_RUN_ITERS = 600
+#: (~0.01-0.02 s, one thread per worker) that is 300-600 steps; a suspension measured at 600 steps
+#: landed at step 522. A shorter job ends before the move takes effect.
+LONG_RUN_ITERS = 1500
+#: Steps of a job that must still be training after a failure seen at step 5 and its recovery (a few
+#: seconds; CPU steps of this job take ~0.02-0.05 s).
+RECOVERY_RUN_ITERS = 600
 
 
 def process_nodes_fixture(count: int, pool: str) -> Any:

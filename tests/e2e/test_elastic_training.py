@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from e2e_support import (
-    LONG_RUN_ITERS,
+    RECOVERY_RUN_ITERS,
     dump,
     job_status,
     make_elastic_job,
@@ -35,9 +35,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 process_nodes = process_nodes_fixture(4, "e2e")
-#: Long enough to be still training after a kill seen at step 5 and its recovery (CPU steps of this
-#: tiny job take ~0.02-0.05 s).
-ITERS = LONG_RUN_ITERS
+ITERS = RECOVERY_RUN_ITERS
 
 
 def test_spare_replaces_a_killed_worker_and_training_completes(

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from e2e_support import (
     JOBS,
-    LONG_RUN_ITERS,
+    RECOVERY_RUN_ITERS,
     dump,
     job_status,
     make_elastic_job,
@@ -46,11 +46,9 @@ from megatron_contract import wire
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 POOL = "defects"
-#: Long enough to be still training after kills seen at step 5 and their recovery (CPU steps of this
-#: tiny job take ~0.02-0.05 s).
-ITERS = LONG_RUN_ITERS
+ITERS = RECOVERY_RUN_ITERS
 #: The partition test trains through two waits for the operator's events: a few times longer.
-CALM_ITERS = 4 * LONG_RUN_ITERS
+CALM_ITERS = 4 * RECOVERY_RUN_ITERS
 REPEAT = range(int(os.environ.get("MEGATRON_E2E_REPEAT", "1")))
 
 
