@@ -6,7 +6,10 @@ Scenarios (each a defect once found on main):
 - two workers SIGKILLed at the same instant, one spare: the job recovers (one recovery, not a
   cascade of blamed newcomers), succeeds, and every step consumed exactly its global batch once;
 - the spare SIGKILLed while it is being promoted (the survivors still joining): the job recovers
-  and succeeds, one recovery;
+  and succeeds, one recovery; every step consumed exactly its global batch once. The kill follows
+  the plan as the test sees it in the status (polled every 0.25 s), and a join with fast CPU steps
+  can be done and its first step committed by then: that recovery was complete, and the kill is a
+  second one, so two recoveries are accepted (nothing but the count differs);
 - a failed-peer report that nobody corroborates (a pod's token accusing a healthy peer): no pod
   is deleted, the epoch stays, the report is announced as ignored;
 - every node NotReady at once while the pods keep running (a partition): no pod fails, training
@@ -117,8 +120,8 @@ def _running(cluster: LocalCluster, namespace: str, name: str, epoch: int, show:
     )
 
 
-def _succeeded_after_one_recovery(
-    cluster: LocalCluster, namespace: str, name: str, show: Callable[[], str]
+def _succeeded_after_recoveries(
+    cluster: LocalCluster, namespace: str, name: str, show: Callable[[], str], allowed: Collection[int] = (1,)
 ) -> dict[str, Any]:
     final: dict[str, Any] = wait_for(
         lambda: (s := job_status(cluster, namespace, name)).get("phase") in ("Succeeded", "Failed") and s,
@@ -127,7 +130,7 @@ def _succeeded_after_one_recovery(
         details=show,
     )
     assert final["phase"] == "Succeeded", show()
-    assert final["recoveries"] == 1, show()
+    assert final["recoveries"] in allowed, show()
     return final
 
 
@@ -146,7 +149,7 @@ def test_two_workers_killed_at_once_with_one_spare(
         a, b, _ = (m["pod"] for m in status["plan"]["members"])
         process_nodes.kill_pod_process(namespace, a, signal.SIGKILL)
         process_nodes.kill_pod_process(namespace, b, signal.SIGKILL)
-        final = _succeeded_after_one_recovery(local_cluster, namespace, "two", show)
+        final = _succeeded_after_recoveries(local_cluster, namespace, "two", show)
         # The last plan trained, or it is a growth (a spare warm again) that the job's last step beat.
         grown_at_the_end = final["plan"]["reason"] == "grow" and final["committedEpoch"] == final["epoch"] - 1
         assert final["epoch"] >= 2 and (final["committedEpoch"] == final["epoch"] or grown_at_the_end), show()
@@ -178,7 +181,7 @@ def test_spare_killed_while_it_is_promoted(
         promoted = [m["pod"] for m in plan["members"] if m["pod"] not in members]
         assert len(promoted) == 1, plan
         process_nodes.kill_pod_process(namespace, promoted[0], signal.SIGKILL)  # while the survivors join
-        _succeeded_after_one_recovery(local_cluster, namespace, "promo", show)
+        _succeeded_after_recoveries(local_cluster, namespace, "promo", show, allowed=(1, 2))
         _check_samples(samples, ITERS, 6, show, killed={members[0], promoted[0]})
 
 
