@@ -818,6 +818,8 @@ class JobController:
     ) -> None:
         members = {m.pod for m in plan.members} if plan is not None else set()
         step = self.book.completed_step(self.job.uid, members)
+        if phase is JobPhase.SUCCEEDED:  # every member trained the last step; reports may lag it
+            step = spec.training.train_iters
         short = condition(self.status, ConditionType.HOST_MEMORY_SHORT)
         host_memory = host_memory_condition(spec, short, optimizer_sources.IN_MEMORY_RESTORE)
         obs = Observation(
