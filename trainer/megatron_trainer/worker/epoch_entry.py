@@ -23,11 +23,18 @@ import torch
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSourceKind
 from megatron_trainer.channel import CheckpointProblem, CollectiveFailed
 from megatron_trainer.faults import InjectionPoint
-from megatron_trainer.worker import checkpoint, rendezvous, training_loop
+from megatron_trainer.worker import checkpoint, rendezvous, shard_restore, training_loop
 from megatron_trainer.worker.buddy_copies import buddy_and_ward, exchange_links
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
-from megatron_trainer.worker.model import TrainState, adopt_state, build_train_state, detach_state, sync_initial_weights
+from megatron_trainer.worker.model import (
+    HeldState,
+    TrainState,
+    adopt_state,
+    build_train_state,
+    detach_state,
+    sync_initial_weights,
+)
 from megatron_trainer.worker.peer_restore import restore_from_peers
 from megatron_trainer.worker.step import guard_commit
 from megatron_trainer.worker.verify import StateMismatch, verify_state
@@ -101,6 +108,10 @@ class EpochJoin:
         self.adopted = False  # ts holds the state this worker kept
         self.moved = 0  # bytes received from peers
         self.checksum = 0
+        # The plan moves distributed-optimizer shards: the state this worker trained with stays
+        # whole until the restore took its shard (and goes back to the worker if the join fails).
+        self.moves_shards = shard_restore.moves_shards(plan, worker.spec.training.optimizer.distributed)
+        self.kept: HeldState | None = None
 
     def run(self) -> bool:
         """Rendezvous, rebuild, restore and verify; True with the verified state in ``worker.ts``,
@@ -116,7 +127,9 @@ class EpochJoin:
             if not joining and (isinstance(err, StateMismatch) or not (self.interrupted() or is_collective_error(err))):
                 raise  # wrong state or a bug: no other plan would fix it
             if self.adopted and self.ts is not None:
-                worker.held = detach_state(self.ts)  # a keeper keeps its state for the next plan
+                worker.held = detach_state(self.ts, worker.rank)  # a keeper keeps its state for the next plan
+            elif self.kept is not None:
+                worker.held = self.kept
             self.ts = None
             _abandon_join(worker, self.plan, err)
             return False
@@ -166,6 +179,8 @@ class EpochJoin:
         worker, plan, kind = self.worker, self.plan, self.source.kind
         t = time.perf_counter()
         connecting = rendezvous.connect_communicators(worker.device)
+        if self.moves_shards:
+            self.kept, worker.held, kind = worker.held, None, StateSourceKind.PEER  # built anew, filled by the restore
         if kind is not StateSourceKind.SELF:
             # Free the warm (or stale) state first: the new build then reuses its blocks from
             # the caching allocator instead of paying for ~1000 fresh cudaMalloc calls.
@@ -203,7 +218,23 @@ class EpochJoin:
         worker = self.worker
         t = time.perf_counter()
         assert self.ts is not None and worker.store is not None
-        self.moved = restore_from_peers(self.ts, self.plan, worker.device, worker.store, self.interrupted, self.phases)
+        if self.moves_shards:
+            self.moved = shard_restore.restore_shards(
+                self.ts,
+                self.plan,
+                worker.rank,
+                self.kept,
+                worker.copies,
+                worker.device,
+                worker.store,
+                self.interrupted,
+                self.phases,
+            )
+            self.kept = None
+        else:
+            self.moved = restore_from_peers(
+                self.ts, self.plan, worker.device, worker.store, self.interrupted, self.phases
+            )
         if StateSourceKind.CHECKPOINT in self.plan.source_kinds():
             _restore_checkpoint(worker, self.ts, self.plan, self.phases)
         if worker.device.type == "cuda":

@@ -18,6 +18,7 @@ import torch
 
 from megatron_contract.job import Activation, MegatronJobSpec, PositionEmbedding, Precision
 from megatron_trainer.worker import providers
+from megatron_trainer.worker.optimizer_shards import ShardPieces, shard_pieces
 
 # Optimizer state entries of Adam, in the canonical order used by transfer and checksums.
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -44,6 +45,10 @@ class HeldState:
     tensors: list[torch.Tensor]
     step: int
     scheduler_steps: int  # OptimizerParamScheduler.num_steps
+    # With the distributed optimizer: where its shard lies in ``tensors`` (views, no copy), for a
+    # reshard or a restore that moves shards (worker/shard_restore.py), and the rank it belonged to.
+    shards: list[ShardPieces] | None = None
+    rank: int | None = None
 
 
 def param_dtype(spec: MegatronJobSpec, device: torch.device) -> torch.dtype:
@@ -350,9 +355,13 @@ def state_tensors(ts: TrainState) -> list[torch.Tensor]:
     return out
 
 
-def detach_state(ts: TrainState) -> HeldState:
-    """Take the state tensors out of a build that is about to be dropped."""
-    return HeldState(tensors=list(state_tensors(ts)), step=ts.step, scheduler_steps=ts.scheduler.num_steps)
+def detach_state(ts: TrainState, rank: int | None = None) -> HeldState:
+    """Take the state tensors out of a build that is about to be dropped (``rank``: the rank it
+    trained as)."""
+    shards = shard_pieces(ts.optimizer) if ts.spec.training.optimizer.distributed else None
+    return HeldState(
+        tensors=list(state_tensors(ts)), step=ts.step, scheduler_steps=ts.scheduler.num_steps, shards=shards, rank=rank
+    )
 
 
 def adopt_state(ts: TrainState, held: HeldState) -> None:

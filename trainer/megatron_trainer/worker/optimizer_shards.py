@@ -12,6 +12,7 @@ here depends on how the optimizer stores them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -36,31 +37,54 @@ def buffer_layouts(optimizer: Any) -> list[BufferLayout]:
     return [BufferLayout.of_buffer(b) for o in distributed_optimizers(optimizer) for b in o.buffers]
 
 
-def flat_shards(optimizer: Any) -> list[torch.Tensor]:
-    """This rank's shard of every buffer, flat (a copy)."""
+@dataclasses.dataclass(frozen=True)
+class ShardPieces:
+    """Where one buffer's flat shard lies in an optimizer's own tensors, without copying them: what
+    a worker keeps of the state it held in its last epoch, to give its shard to a reshard later."""
+
+    rows: int  # shard elements
+    pieces: tuple[tuple[int, tuple[torch.Tensor, ...]], ...]  # (first row, [main param, *states] flat)
+
+
+def shard_pieces(optimizer: Any) -> list[ShardPieces]:
+    """This rank's shard of every buffer, as references to the optimizer's tensors."""
     out = []
     for opt in distributed_optimizers(optimizer):
         for buffer, ranges in zip(opt.buffers, opt.gbuf_ranges, strict=True):
             layout = BufferLayout.of_buffer(buffer)
-            rows = None
+            pieces = []
             for _, buckets in ranges.items():
                 for first, param, piece in _pieces(layout, buckets):
                     tensors = opt._get_main_param_and_optimizer_states(param)
-                    columns = [tensors["param"], *(tensors[k] for k in STATE_KEYS)]
-                    if rows is None:
-                        rows = torch.zeros(
-                            layout.shard_numel, len(columns), dtype=torch.float32, device=columns[0].device
-                        )
-                    for c, t in enumerate(columns):
-                        rows[first + piece.start : first + piece.end, c] = t.detach().reshape(-1)
-            out.append(rows if rows is not None else torch.zeros(layout.shard_numel, 1 + len(STATE_KEYS)))
+                    columns = (tensors["param"], *(tensors[k] for k in STATE_KEYS))
+                    pieces.append((first + piece.start, tuple(t.detach().reshape(-1) for t in columns)))
+            out.append(ShardPieces(layout.shard_numel, tuple(pieces)))
     return out
 
 
+def materialize(shards: list[ShardPieces]) -> list[torch.Tensor]:
+    """The flat shards (copies) of pieces from :func:`shard_pieces`; padding rows zero."""
+    out = []
+    for shard in shards:
+        device = shard.pieces[0][1][0].device if shard.pieces else None
+        rows = torch.zeros(shard.rows, 1 + len(STATE_KEYS), dtype=torch.float32, device=device)
+        for first, columns in shard.pieces:
+            for c, t in enumerate(columns):
+                rows[first : first + t.numel(), c] = t
+        out.append(rows)
+    return out
+
+
+def flat_shards(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's shard of every buffer, flat (a copy)."""
+    return materialize(shard_pieces(optimizer))
+
+
 @torch.no_grad()  # main parameters of fp32 models are views of the model's parameters (leaves)
-def load_flat_shards(optimizer: Any, shards: list[torch.Tensor]) -> None:
+def load_flat_shards(optimizer: Any, shards: list[torch.Tensor], step: int | None = None) -> None:
     """Set this rank's optimizer state from flat shards (as :func:`flat_shards` gives them) of its
-    own layout; the model's parameters follow from the main parameters at the next all-gather."""
+    own layout, and Adam's step count to ``step`` (None: left as it is); the model's parameters
+    follow from the main parameters at the next all-gather."""
     layouts = buffer_layouts(optimizer)
     if len(shards) != len(layouts):
         raise ValueError(f"{len(shards)} flat shards for {len(layouts)} buffers")
@@ -76,6 +100,8 @@ def load_flat_shards(optimizer: Any, shards: list[torch.Tensor]) -> None:
                     block = rows[first + piece.start : first + piece.end]
                     tensors = {"param": block[:, 0]} | {k: block[:, 1 + i] for i, k in enumerate(STATE_KEYS)}
                     moved = {k: v.reshape(current[k].shape).to(current[k].dtype) for k, v in tensors.items()}
+                    if step is not None and isinstance(current.get("step"), torch.Tensor):
+                        current["step"].fill_(step)  # one optimizer step per training step
                     opt._set_main_param_and_optimizer_states(param, current | moved)
             index += 1
 

@@ -242,7 +242,7 @@ class Worker:
             return
         start = time.perf_counter()
         if self.ts is not None:
-            self.held = detach_state(self.ts)
+            self.held = detach_state(self.ts, self.rank)
             self.ts = None
         if self.copies is not None:
             self.copies.abandon()  # a refresh in flight is incomplete; the complete copies stay

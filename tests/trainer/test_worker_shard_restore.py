@@ -1,0 +1,273 @@
+"""Real worker processes (gloo, TP 2, Megatron's distributed optimizer with buddy copies) restoring
+the optimizer's shards in memory (worker/shard_restore.py) after a failure, exactly.
+
+The test process plays agent and operator, and the plans come from the operator's own planner
+(``megatron_operator.optimizer_sources``) with in-memory restore on, fed with the complete copies
+each pod's workers reported (``ReplicaSteps``). Two pods of two workers (DP 2, TP 2; rank r's buddy
+is the same TP rank of the other pod), every loss compared bit for bit with a reference run:
+
+- SIGKILL of a worker of pod a with a spare pod: the spare takes pod a's ranks, their shards from
+  the copies pod b keeps for them (the refresh in flight when the kill landed had delivered them:
+  no step redone), and every loss equals a failure-free run;
+- SIGSTOP instead (a hang): the survivors' watchdog reports it, the harness kills the stopped pod,
+  then as above;
+- a refresh interval of 2 and a kill in a step whose predecessor was not copied: the plan goes back
+  to the newest complete copies (every rank restores from a host copy, its own or its buddy's) and
+  redoes the step since, with the same losses;
+- SIGKILL with no spare, then a pod returning: DP shrinks to 1 (pod b reshards its own shards and
+  the copies it kept of pod a's into DP 1's layout, in memory), then grows back to 2 at a step
+  boundary (pod b sends the returning pod the ranges it now owns). The reference does the same
+  shrink and growth at the same steps through a synchronous checkpoint of each step, which the
+  operator's planner uses when in-memory restore is off: the losses are equal bit for bit.
+
+Every step's samples are consumed exactly once (the sample log; a redone step counts in its final
+epoch only).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from worker_harness import MakeCluster, WorkerCluster, failure_free_losses, fault_env, make_plan, make_spec
+
+from localcluster.chaos import check_history, read_samples
+from megatron_contract.job import CheckpointSpec, MegatronJobSpec
+from megatron_contract.mesh import MeshPlan, OptimizerSourceKind, PlanReason, StateSource, StateSourceKind
+from megatron_operator.optimizer_sources import optimizer_sources
+from megatron_trainer.channel import CollectiveFailed, ReplicaSteps
+from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TRAIN_ITERS = 10
+FAULT_STEP = 3  # steps 0..2 are complete when the fault fires
+FAULT_RANK = 1  # TP rank 1 of replica 0, on pod a
+
+
+def shard_spec(
+    checkpoint: Path, interval: int = 1, iters: int = TRAIN_ITERS, save_every: int = 1000
+) -> MegatronJobSpec:
+    spec = make_spec(replicas=2, spares=1, min_replicas=1, train_iters=iters, collective_timeout=8.0)
+    wire = spec.to_wire()
+    wire["training"]["optimizer"].update({"distributed": True, "replicaIntervalSteps": interval})
+    wire["checkpoint"] = CheckpointSpec(path=str(checkpoint), interval_steps=save_every, async_save=False).to_wire()
+    return MegatronJobSpec.model_validate(wire)
+
+
+def faults(tmp_path: Path, fault: Fault) -> dict[str, str]:
+    """``fault`` on FAULT_RANK in FAULT_STEP, after a second in its data read: gloo moves a message
+    once both ends posted it, and these tiny steps could otherwise end before the buddy posted the
+    receive of the refresh in flight (a real step is far longer)."""
+    plan = (
+        FaultPlan()
+        .fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=1.0, point=InjectionPoint.DATA_READ)
+        .fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=fault)
+    )
+    return fault_env(tmp_path, plan)
+
+
+def copy_steps(cluster: WorkerCluster, epoch: int) -> dict[str, list[int]]:
+    """By pod, the steps every worker of it last reported complete copies of in ``epoch``, as the
+    pod's agent reports them to the operator."""
+    out: dict[str, list[int]] = {}
+    for pod, workers in cluster.pods.items():
+        reports = [[m.steps for m in w.of_type(ReplicaSteps) if m.epoch == epoch] for w in workers]
+        if reports and all(reports):
+            out[pod] = sorted(set.intersection(*(set(r[-1]) for r in reports)))
+    return out
+
+
+def in_memory_plan(
+    cluster: WorkerCluster, pods: list[str], previous: MeshPlan, resume: int, reason: PlanReason
+) -> MeshPlan:
+    """The plan the operator makes with in-memory restore: its optimizer state from the planner."""
+    base = cluster.plan(pods, resume_step=resume, reason=reason, buddies=len(pods) > 1)
+    found = optimizer_sources(
+        base.sizes,
+        cluster.spec.gpus_per_pod,
+        base.members,
+        previous,
+        interval_steps=cluster.spec.training.optimizer.replica_interval_steps,
+        survivors_step=resume,
+        previous_trained=True,
+        copy_steps=copy_steps(cluster, previous.epoch),
+        in_memory=True,
+    )
+    assert not found.reload, f"the planner reloads the checkpoint: {found}"
+    assert found.resume_step is not None
+    return MeshPlan.model_validate(
+        base.model_dump() | {"optimizer_state": found.state, "resume_step": found.resume_step}
+    )
+
+
+def restored(cluster: WorkerCluster, pods: list[str], epoch: int) -> dict[str, tuple[int, str, int]]:
+    """By worker: (step, source, steps redone) of its in-memory restore in ``epoch``."""
+    out = {}
+    for w in cluster.workers(pods):
+        found = re.search(
+            rf"epoch {epoch} rank \d+: optimizer shards of step (\d+) restored in memory \((\w+), (\d+) steps redone\)",
+            w.log_path.read_text(),
+        )
+        assert found, f"{w.name} did not restore its shards in memory in epoch {epoch}:\n{w.log_tail()}"
+        out[w.name] = (int(found[1]), found[2], int(found[3]))
+    return out
+
+
+def check_samples(cluster: WorkerCluster, victims: set[str]) -> tuple[dict[int, int], list[int]]:
+    problems, history, redone = check_history(
+        read_samples(cluster.sample_dir),
+        cluster.spec.training.train_iters,
+        cluster.spec.training.global_batch_size,
+        victims=victims,
+    )
+    assert problems == [], problems
+    return history, redone
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Every step's loss in a failure-free run of the job on pods a and b."""
+    work = tmp_path_factory.mktemp("reference")
+    return failure_free_losses(shard_spec(work / "ckpt"), work)
+
+
+@pytest.mark.parametrize("fault", [Fault.SIGKILL, Fault.SIGSTOP])
+def test_spare_takes_the_lost_pods_shards_from_their_buddy_copies(
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float], fault: Fault
+) -> None:
+    cluster = make_cluster(shard_spec(tmp_path / "ckpt"), tmp_path, faults(tmp_path, fault))
+    cluster.boot(["a", "b", "s"])
+    first = cluster.plan(["a", "b"], buddies=True)
+    cluster.assign(first, ["a", "b", "s"])
+    if fault is Fault.SIGKILL:
+        cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
+    else:
+        cluster.wait_failed_reports(["b"], epoch=1)
+        hung = cluster.pods["a"][FAULT_RANK]
+        assert hung.process.poll() is None, "a stopped worker is alive but silent"
+        cluster.kill_pod("a")  # the supervisor kills the hung worker
+        assert hung.process.returncode == -signal.SIGKILL
+    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    assert resume == FAULT_STEP
+    plan = in_memory_plan(cluster, ["s", "b"], first, resume, PlanReason.REPLACE)
+    state = plan.optimizer_state
+    assert state is not None and state.source is OptimizerSourceKind.SELF
+    # The spare's two ranks take pod a's shards from pod b's host copies, of the survivors' step.
+    assert {(c.previous_rank, c.holder_rank, c.buddy, c.step) for c in state.copies} == {
+        (0, 2, True, FAULT_STEP),
+        (1, 3, True, FAULT_STEP),
+    }
+    cluster.assign(plan, ["s", "b"])
+    cluster.wait_succeeded(["s", "b"])
+
+    assert restored(cluster, ["s", "b"], 2) == {w.name: (FAULT_STEP, "self", 0) for w in cluster.workers(["s", "b"])}
+    assert cluster.losses(["a", "b", "s"]) == reference_losses
+    history, redone = check_samples(cluster, victims={"a"})
+    assert redone == [], "no completed step is trained again"
+    assert all(epoch == (1 if step < FAULT_STEP else 2) for step, epoch in history.items()), history
+
+
+def test_a_kill_between_refreshes_goes_back_to_the_newest_complete_copies(
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
+) -> None:
+    # Refreshes every 2 steps: the copies of step 2 are complete when the fault hits step 3.
+    cluster = make_cluster(shard_spec(tmp_path / "ckpt", interval=2), tmp_path, faults(tmp_path, Fault.SIGKILL))
+    cluster.boot(["a", "b", "s"])
+    first = cluster.plan(["a", "b"], buddies=True)
+    cluster.assign(first, ["a", "b", "s"])
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
+    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    assert resume == FAULT_STEP
+    plan = in_memory_plan(cluster, ["s", "b"], first, resume, PlanReason.REPLACE)
+    state = plan.optimizer_state
+    assert state is not None and state.steps_redone == 1 and plan.resume_step == FAULT_STEP - 1
+    # Every shard from a host copy of step 2: pod a's from b's buddy copies, b's from its own.
+    assert {(c.previous_rank, c.holder_rank, c.buddy) for c in state.copies} == {
+        (0, 2, True),
+        (1, 3, True),
+        (2, 2, False),
+        (3, 3, False),
+    }
+    cluster.assign(plan, ["s", "b"])
+    cluster.wait_succeeded(["s", "b"])
+
+    assert restored(cluster, ["s", "b"], 2) == {
+        w.name: (FAULT_STEP - 1, "self", 1) for w in cluster.workers(["s", "b"])
+    }
+    assert cluster.losses(["a", "b", "s"]) == reference_losses  # the redone step too
+    history, redone = check_samples(cluster, victims={"a"})
+    assert redone == [FAULT_STEP - 1], "exactly the step after the newest copies is trained again"
+    assert history[FAULT_STEP - 1] == 2
+
+
+GROW_AT = 7  # the step boundary at which the returning pod joins
+
+
+def shrink_then_grow(cluster: WorkerCluster, in_memory: bool) -> None:
+    """Pod a dies in FAULT_STEP, pod b trains alone from there, pod c joins at GROW_AT: with the
+    shards moved in memory, or (the reference) through the checkpoints of those steps."""
+    cluster.boot(["a", "b", "c"])
+    first = cluster.plan(["a", "b"], buddies=True)
+    cluster.assign(first, ["a", "b"])
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
+    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    assert resume == FAULT_STEP
+    if in_memory:
+        shrink = in_memory_plan(cluster, ["b"], first, resume, PlanReason.SHRINK)
+        state = shrink.optimizer_state
+        assert state is not None and state.source is OptimizerSourceKind.RESHARD
+        assert {(c.previous_rank, c.holder_rank) for c in state.copies} == {(0, 0), (1, 1)}
+    else:
+        shrink = from_checkpoint(cluster, ["b"], resume, PlanReason.SHRINK)
+    assert shrink.sizes.dp == 1
+    cluster.assign(shrink, ["b"])
+    cluster.wait_steps(["b"], FAULT_STEP + 1)
+    assert max(w.last_step() for w in cluster.workers(["b"])) < GROW_AT, "too fast for the test"
+    if in_memory:
+        grow = in_memory_plan(cluster, ["b", "c"], shrink, GROW_AT, PlanReason.GROW)
+        state = grow.optimizer_state
+        assert state is not None and state.source is OptimizerSourceKind.RESHARD and not state.copies
+    else:
+        # The boundary's checkpoint is written before the epoch is left (synchronous saves).
+        grow = from_checkpoint(cluster, ["b", "c"], GROW_AT, PlanReason.GROW)
+    cluster.assign(grow, ["b", "c"])
+    cluster.wait_succeeded(["b", "c"])
+
+
+def from_checkpoint(cluster: WorkerCluster, pods: list[str], step: int, reason: PlanReason) -> MeshPlan:
+    """A plan whose ranks all load the checkpoint of ``step``."""
+    world = len(pods) * cluster.spec.gpus_per_pod
+    sources = {r: StateSource(rank=r, kind=StateSourceKind.CHECKPOINT, checkpoint_step=step) for r in range(world)}
+    return make_plan(
+        cluster.spec, cluster.epoch + 1, pods, cluster.store_port, resume_step=step, reason=reason, sources=sources
+    )
+
+
+def test_shrink_and_growth_reshard_in_memory_as_the_checkpoint_would(tmp_path: Path, make_cluster: MakeCluster) -> None:
+    reference = make_cluster(
+        shard_spec(tmp_path / "ref-ckpt", save_every=1),
+        tmp_path / "reference",
+        faults(tmp_path / "reference", Fault.SIGKILL),
+    )
+    shrink_then_grow(reference, in_memory=False)
+    expected = reference.losses(["a", "b", "c"])
+    assert sorted(expected) == list(range(1, TRAIN_ITERS + 1))
+
+    cluster = make_cluster(shard_spec(tmp_path / "ckpt"), tmp_path / "run", faults(tmp_path / "run", Fault.SIGKILL))
+    shrink_then_grow(cluster, in_memory=True)
+    assert restored(cluster, ["b"], 2) == {w.name: (FAULT_STEP, "reshard", 0) for w in cluster.workers(["b"])}
+    assert restored(cluster, ["b", "c"], 3) == {w.name: (GROW_AT, "reshard", 0) for w in cluster.workers(["b", "c"])}
+    assert cluster.losses(["a", "b", "c"]) == expected
+    history, redone = check_samples(cluster, victims={"a"})
+    assert redone == []
+    assert [history[s] for s in (FAULT_STEP - 1, FAULT_STEP, GROW_AT - 1, GROW_AT)] == [1, 2, 2, 3]
+    # The newcomer received its shard's ranges; the reshard says what it held at its peak.
+    for w in cluster.workers(["c"]):
+        received = re.search(
+            r"epoch 3 rank \d+: .* restored in memory .*: (\d+) bytes received", w.log_path.read_text()
+        )
+        assert received and int(received[1]) > 0, w.name
+    assert not any(w.of_type(CollectiveFailed) for w in cluster.workers(["c"]))
