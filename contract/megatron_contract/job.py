@@ -214,8 +214,9 @@ class OptimizerSpec(WireModel):
     distributed: bool = Field(
         default=False,
         description="Megatron's distributed optimizer (ZeRO-1: optimizer state sharded over data-parallel ranks); "
-        "its state recovers through the distributed checkpoint, so it needs spec.checkpoint. Its buddy copies take "
-        "host memory (see replicaIntervalSteps).",
+        "a lost or moved shard is restored in memory from its buddy copy and the survivors (dense models without "
+        "context parallelism), else from the distributed checkpoint, which it needs (spec.checkpoint). Its buddy "
+        "copies take host memory (see replicaIntervalSteps).",
     )
     replica_interval_steps: int = Field(
         default=1,
@@ -223,10 +224,10 @@ class OptimizerSpec(WireModel):
         le=1_000_000,
         description="With distributed: steps between refreshes of the host copy of each rank's optimizer shard, kept "
         "by a rank on another pod (its buddy). 1 loses no completed step when a pod is lost; N redoes up to N-1 steps "
-        "for N times less copying. Until the trainers restore shards from these copies, no copy is made and a lost "
-        "shard reloads the checkpoint. Host memory per pod: gpusPerPod x 2 generations x (own + buddy's shard) x 12 "
-        "bytes x parameters of a rank's model part / (dp*cp), plus padding (29.7 GB for llama3-1b at dp 2, one GPU a "
-        "pod); the "
+        "for N times less copying. Kept for dense models without context parallelism on two pods or more (the "
+        "others reload the checkpoint when a shard moves). Host memory per pod: gpusPerPod x 2 generations x (own + "
+        "buddy's shard) x 12 bytes x parameters of a rank's model part / (dp*cp), plus padding (29.7 GB for llama3-1b "
+        "at dp 2, one GPU a pod); the "
         "HostMemoryShort condition compares it with the trainer container's memory request.",
     )
 

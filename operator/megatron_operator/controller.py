@@ -821,7 +821,7 @@ class JobController:
         if phase is JobPhase.SUCCEEDED:  # every member trained the last step; reports may lag it
             step = spec.training.train_iters
         short = condition(self.status, ConditionType.HOST_MEMORY_SHORT)
-        host_memory = host_memory_condition(spec, short, optimizer_sources.IN_MEMORY_RESTORE)
+        host_memory = host_memory_condition(spec, short, optimizer_sources.in_memory_restore(spec))
         obs = Observation(
             phase=phase,
             reason=reason,

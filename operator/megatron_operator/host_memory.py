@@ -24,7 +24,7 @@ def host_memory_condition(
 ) -> tuple[bool, str, str] | None:
     """(status, reason, message) of ``HostMemoryShort`` for ``spec``; None: leave it absent.
     ``copies_kept``: whether the operator asks the trainers for buddy copies
-    (``optimizer_sources.IN_MEMORY_RESTORE``); without, no pod needs memory for them."""
+    (``optimizer_sources.in_memory_restore``); without, no pod needs memory for them."""
     try:
         need = _need(spec.model_dump_json()) if copies_kept else None
     except ValueError as exc:  # a memory quantity the API server let through but not read here

@@ -9,8 +9,9 @@ at which every previous shard is live: the survivors' step (nothing redone) when
 lost ranks' buddy copies hold it, else the newest step all copies hold (its later steps redone,
 every rank restoring from a copy). With no such step every rank reloads the newest checkpoint.
 
-Until the trainers consume these sources (``in_memory`` false), any shard that would move reloads
-the checkpoint for everyone: what trainers without in-memory restore do.
+The trainers consume these sources (worker/shard_restore.py) for dense models without context
+parallelism (:func:`in_memory_restore`); for the others (``in_memory`` false) any shard that would
+move reloads the checkpoint for everyone, and no copies are kept.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
+from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import (
     HolderRun,
     MeshPlan,
@@ -30,10 +32,18 @@ from megatron_contract.mesh import (
 )
 
 #: Whether the trainers restore distributed-optimizer shards from host copies and reshard them in
-#: memory: not yet. Until they do, the operator asks them for no copies (a refresh moves every shard
-#: to another pod each ``replicaIntervalSteps`` and holds ~4 x 12 bytes per shard element of host
-#: memory, for nothing) and a shard that moves reloads the checkpoint.
-IN_MEMORY_RESTORE = False
+#: memory (worker/shard_restore.py). Off, the operator asks them for no copies (a refresh moves every
+#: shard to another pod each ``replicaIntervalSteps`` and holds ~4 x 12 bytes per shard element of
+#: host memory) and a shard that moves reloads the checkpoint.
+IN_MEMORY_RESTORE = True
+
+
+def in_memory_restore(spec: MegatronJobSpec) -> bool:
+    """Whether this job's shards are restored in memory and backed by buddy copies: dense models
+    without context parallelism. Expert-parallel buffers shard over another group than the dense
+    ones, and context parallelism shards over data x context, which the trainers' reshard does not
+    lay out yet: those jobs reload the checkpoint when a shard moves."""
+    return IN_MEMORY_RESTORE and spec.model.num_experts is None and spec.cp == 1
 
 
 @dataclasses.dataclass(frozen=True)

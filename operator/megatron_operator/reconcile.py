@@ -425,7 +425,7 @@ def _next_plan(
                 failed,
                 None,
                 store_hosts=signals.fresh,
-                in_memory_optimizer=optimizer_sources.IN_MEMORY_RESTORE,
+                in_memory_optimizer=optimizer_sources.in_memory_restore(spec),
             )
             return _Verdict(decision, resuming=resuming)
         return _Verdict(None, resuming=resuming)
@@ -453,7 +453,7 @@ def _next_plan(
             checkpoint_step=checkpoint_step,
             store_hosts=[h for h in signals.fresh if h not in away],
             previous_trained=status.committed_epoch >= plan.epoch,
-            in_memory_optimizer=optimizer_sources.IN_MEMORY_RESTORE,
+            in_memory_optimizer=optimizer_sources.in_memory_restore(spec),
             retry=retry or _abandoned(plan, signals, failed),
             placement=placement,
         )
@@ -615,7 +615,7 @@ def _resume(
             plan,
             checkpoint_step,
             store_hosts=signals.fresh,
-            in_memory_optimizer=optimizer_sources.IN_MEMORY_RESTORE,
+            in_memory_optimizer=optimizer_sources.in_memory_restore(spec),
         )
         lost = _state_lost(status, plan, decision.plan)
         if lost is not None:

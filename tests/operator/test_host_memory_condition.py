@@ -82,7 +82,6 @@ def _short(ctl: Any) -> Condition | None:
 
 
 def test_the_controller_writes_the_condition_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(optimizer_sources, "IN_MEMORY_RESTORE", True)  # trainers that keep copies
     fake = FakeKube(monkeypatch)
     ctl = _controller(_running_status(), resources={"requests": {"memory": "500Ki"}})
     _distributed(ctl.body["spec"])
@@ -112,7 +111,8 @@ def test_a_job_without_copies_gets_no_condition(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_no_condition_while_the_operator_asks_for_no_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until the trainers restore from them (optimizer_sources.IN_MEMORY_RESTORE), no copies are kept."""
+    """With in-memory restore switched off (optimizer_sources.IN_MEMORY_RESTORE), no copies are kept."""
+    monkeypatch.setattr(optimizer_sources, "IN_MEMORY_RESTORE", False)
     assert host_memory_condition(_spec("500Ki"), None, False) is None
     FakeKube(monkeypatch)
     ctl = _controller(_running_status(), resources={"requests": {"memory": "500Ki"}})

@@ -5,8 +5,9 @@ Scenarios:
   redone; with the copies one step behind, every rank goes back to the copies and the plan says
   how many steps are redone; with the copies unknown, everyone reloads the checkpoint;
 - a shrink reshards from the old owners and the buddies of the lost ones;
-- trainers without in-memory restore (the default) reload the checkpoint whenever a shard moves,
-  and are asked for no copies;
+- trainers without in-memory restore reload the checkpoint whenever a shard moves, and are asked
+  for no copies; the trainers restore dense models without context parallelism in memory, the
+  others (experts, cp > 1) reload;
 - one pod: no buddy on another pod, no copies.
 - property (hypothesis), over meshes (tp, pp, cp, ep, gpus per pod, pods): the buddy assignment is
   a permutation (every rank keeps one copy, every pod gpusPerPod copies), deterministic, puts
@@ -32,6 +33,7 @@ from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import MeshError, MeshPlan, OptimizerSourceKind, PlanReason, StateSourceKind
+from megatron_operator.optimizer_sources import in_memory_restore
 from megatron_operator.planner import Outcome, PodRef, UnitShape, plan_mesh
 
 CHECKPOINT = {"path": "/ckpt", "interval_steps": 10}
@@ -351,3 +353,13 @@ def check_sources(
                 if old.sizes.coords_of(r).tp == coords.tp and old.sizes.coords_of(r).pp == coords.pp
             ]
             assert [o.previous_rank for o in origins] == group and len(group) == old.sizes.dp * old.sizes.cp
+
+
+def test_in_memory_restore_covers_dense_models_without_context_parallelism() -> None:
+    assert in_memory_restore(distributed_spec(replicas=2))
+    wire = distributed_spec(replicas=2).to_wire()
+    wire["model"].update({"numExperts": 4, "moeRouterTopk": 2, "addBiasLinear": False})
+    assert not in_memory_restore(MegatronJobSpec.model_validate(wire))
+    wire = distributed_spec(replicas=2).to_wire()
+    wire["cp"] = 2
+    assert not in_memory_restore(MegatronJobSpec.model_validate(wire))

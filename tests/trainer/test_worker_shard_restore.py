@@ -20,6 +20,10 @@ is the same TP rank of the other pod), every loss compared bit for bit with a re
   shrink and growth at the same steps through a synchronous checkpoint of each step, which the
   operator's planner uses when in-memory restore is off: the losses are equal bit for bit.
 
+And one replica over two pods of one worker (PP 2, DP 1; each stage's buddy is the other stage):
+the spare replacing pod b (stage 1) takes stage 1's shard from the copy pod a (stage 0) keeps,
+relayed whole since pod a trains another stage; the losses equal a failure-free run.
+
 Every step's samples are consumed exactly once (the sample log; a redone step counts in its final
 epoch only).
 """
@@ -271,3 +275,40 @@ def test_shrink_and_growth_reshard_in_memory_as_the_checkpoint_would(tmp_path: P
         )
         assert received and int(received[1]) > 0, w.name
     assert not any(w.of_type(CollectiveFailed) for w in cluster.workers(["c"]))
+
+
+def test_a_shard_held_by_another_pipeline_stage_is_relayed_to_the_replacement(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    def pp2(checkpoint: Path) -> MegatronJobSpec:
+        wire = shard_spec(checkpoint).to_wire()
+        wire.update({"tp": 1, "pp": 2, "gpusPerPod": 1, "replicas": 1, "minReplicas": 1})
+        wire["model"]["numLayers"] = 4
+        return MegatronJobSpec.model_validate(wire)
+
+    expected = failure_free_losses(pp2(tmp_path / "ref-ckpt"), tmp_path / "reference")
+    stage1 = 1  # pod b's only worker
+    plan_faults = (
+        FaultPlan()
+        .fail_at(rank=stage1, step=FAULT_STEP, fault=Fault.DELAY, seconds=1.0, point=InjectionPoint.DATA_READ)
+        .fail_at(rank=stage1, step=FAULT_STEP, fault=Fault.SIGKILL)
+    )
+    cluster = make_cluster(pp2(tmp_path / "ckpt"), tmp_path / "run", fault_env(tmp_path, plan_faults))
+    cluster.boot(["a", "b", "s"])
+    first = cluster.plan(["a", "b"], buddies=True)
+    assert first.buddy_of(1) == 0
+    cluster.assign(first, ["a", "b", "s"])
+    cluster.fail_pod_on_injected_kill("b", 0, 120, survivors=["a"])
+    resume = max(w.last_step() for w in cluster.workers(["a"]))
+    assert resume == FAULT_STEP
+    plan = in_memory_plan(cluster, ["a", "s"], first, resume, PlanReason.REPLACE)
+    state = plan.optimizer_state
+    assert state is not None
+    assert [(c.previous_rank, c.holder_rank, c.buddy) for c in state.copies] == [(1, 0, True)]
+    cluster.assign(plan, ["a", "s"])
+    cluster.wait_succeeded(["a", "s"])
+
+    assert restored(cluster, ["a", "s"], 2) == {w.name: (FAULT_STEP, "self", 0) for w in cluster.workers(["a", "s"])}
+    assert cluster.losses(["a", "b", "s"]) == expected
+    _, redone = check_samples(cluster, victims={"b"})
+    assert redone == []
