@@ -24,6 +24,11 @@ And one replica over two pods of one worker (PP 2, DP 1; each stage's buddy is t
 the spare replacing pod b (stage 1) takes stage 1's shard from the copy pod a (stage 0) keeps,
 relayed whole since pod a trains another stage; the losses equal a failure-free run.
 
+Plans at step boundaries that keep every shard where it is (the same pods, twice): the survivors
+adopt their own state, every loss equals the failure-free run; in particular each data-parallel
+rank's parameters keep following the optimizer's all-gather (they once pointed at the previous
+build's buffer, and the ranks drifted apart, each updating only its own shard).
+
 Every step's samples are consumed exactly once (the sample log; a redone step counts in its final
 epoch only).
 """
@@ -35,13 +40,20 @@ import signal
 from pathlib import Path
 
 import pytest
-from worker_harness import MakeCluster, WorkerCluster, failure_free_losses, fault_env, make_plan, make_spec
+from worker_harness import (
+    MakeCluster,
+    WorkerCluster,
+    failure_free_losses,
+    fault_env,
+    in_memory_plan,
+    make_plan,
+    make_spec,
+)
 
 from localcluster.chaos import check_history, read_samples
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
 from megatron_contract.mesh import MeshPlan, OptimizerSourceKind, PlanReason, StateSource, StateSourceKind
-from megatron_operator.optimizer_sources import optimizer_sources
-from megatron_trainer.channel import CollectiveFailed, ReplicaSteps
+from megatron_trainer.channel import CollectiveFailed, Progress
 from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,40 +83,6 @@ def faults(tmp_path: Path, fault: Fault) -> dict[str, str]:
         .fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=fault)
     )
     return fault_env(tmp_path, plan)
-
-
-def copy_steps(cluster: WorkerCluster, epoch: int) -> dict[str, list[int]]:
-    """By pod, the steps every worker of it last reported complete copies of in ``epoch``, as the
-    pod's agent reports them to the operator."""
-    out: dict[str, list[int]] = {}
-    for pod, workers in cluster.pods.items():
-        reports = [[m.steps for m in w.of_type(ReplicaSteps) if m.epoch == epoch] for w in workers]
-        if reports and all(reports):
-            out[pod] = sorted(set.intersection(*(set(r[-1]) for r in reports)))
-    return out
-
-
-def in_memory_plan(
-    cluster: WorkerCluster, pods: list[str], previous: MeshPlan, resume: int, reason: PlanReason
-) -> MeshPlan:
-    """The plan the operator makes with in-memory restore: its optimizer state from the planner."""
-    base = cluster.plan(pods, resume_step=resume, reason=reason, buddies=len(pods) > 1)
-    found = optimizer_sources(
-        base.sizes,
-        cluster.spec.gpus_per_pod,
-        base.members,
-        previous,
-        interval_steps=cluster.spec.training.optimizer.replica_interval_steps,
-        survivors_step=resume,
-        previous_trained=True,
-        copy_steps=copy_steps(cluster, previous.epoch),
-        in_memory=True,
-    )
-    assert not found.reload, f"the planner reloads the checkpoint: {found}"
-    assert found.resume_step is not None
-    return MeshPlan.model_validate(
-        base.model_dump() | {"optimizer_state": found.state, "resume_step": found.resume_step}
-    )
 
 
 def restored(cluster: WorkerCluster, pods: list[str], epoch: int) -> dict[str, tuple[int, str, int]]:
@@ -312,3 +290,24 @@ def test_a_shard_held_by_another_pipeline_stage_is_relayed_to_the_replacement(
     assert cluster.losses(["a", "b", "s"]) == expected
     _, redone = check_samples(cluster, victims={"b"})
     assert redone == []
+
+
+def test_plans_that_keep_every_shard_in_place_train_on_unchanged(
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
+) -> None:
+    boundaries = (3, 6)
+    hold = FaultPlan()  # every rank dwells in the step before each boundary while the plan arrives
+    for boundary in boundaries:
+        for rank in range(4):
+            hold = hold.fail_at(rank=rank, step=boundary - 1, fault=Fault.DELAY, seconds=2.0, epoch=boundary // 3)
+    cluster = make_cluster(shard_spec(tmp_path / "ckpt"), tmp_path, fault_env(tmp_path, hold))
+    cluster.boot(["a", "b"])
+    cluster.assign(cluster.plan(["a", "b"], buddies=True))
+    for boundary in boundaries:
+        cluster.wait_steps(["a", "b"], boundary - 1)
+        assert max(w.last_step() for w in cluster.workers()) < boundary, "too fast for the test"
+        cluster.assign(cluster.plan(["a", "b"], resume_step=boundary, reason=PlanReason.MIGRATE, buddies=True))
+    cluster.wait_succeeded(["a", "b"])
+    assert cluster.losses(["a", "b"]) == reference_losses
+    epochs = {p.step: p.epoch for w in cluster.workers() for p in w.of_type(Progress)}
+    assert [epochs[s] for s in (3, 4, 6, 7, TRAIN_ITERS)] == [1, 2, 2, 3, 3]

@@ -49,6 +49,7 @@ from megatron_trainer.channel import (
     Hello,
     PhaseTimes,
     Progress,
+    ReplicaSteps,
     Shutdown,
     ToAgent,
     WorkerStatus,
@@ -485,3 +486,40 @@ class WorkerCluster:
             with contextlib.suppress(OSError):
                 w.channel.close()
         del self.store
+
+
+def copy_steps(cluster: WorkerCluster, epoch: int) -> dict[str, list[int]]:
+    """By pod, the steps every worker of it last reported complete copies of in ``epoch``, as the
+    pod's agent reports them to the operator."""
+    out: dict[str, list[int]] = {}
+    for pod, workers in cluster.pods.items():
+        reports = [[m.steps for m in w.of_type(ReplicaSteps) if m.epoch == epoch] for w in workers]
+        if reports and all(reports):
+            out[pod] = sorted(set.intersection(*(set(r[-1]) for r in reports)))
+    return out
+
+
+def in_memory_plan(
+    cluster: WorkerCluster, pods: list[str], previous: MeshPlan, resume: int, reason: PlanReason
+) -> MeshPlan:
+    """The plan the operator makes with in-memory restore: its optimizer state from the operator's
+    planner (imported here: benchmarks use this harness without the operator's sources)."""
+    from megatron_operator.optimizer_sources import optimizer_sources
+
+    base = cluster.plan(pods, resume_step=resume, reason=reason, buddies=len(pods) > 1)
+    found = optimizer_sources(
+        base.sizes,
+        cluster.spec.gpus_per_pod,
+        base.members,
+        previous,
+        interval_steps=cluster.spec.training.optimizer.replica_interval_steps,
+        survivors_step=resume,
+        previous_trained=True,
+        copy_steps=copy_steps(cluster, previous.epoch),
+        in_memory=True,
+    )
+    assert not found.reload, f"the planner reloads the checkpoint: {found}"
+    assert found.resume_step is not None
+    return MeshPlan.model_validate(
+        base.model_dump() | {"optimizer_state": found.state, "resume_step": found.resume_step}
+    )

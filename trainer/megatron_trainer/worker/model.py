@@ -365,7 +365,8 @@ def detach_state(ts: TrainState, rank: int | None = None) -> HeldState:
 
 
 def adopt_state(ts: TrainState, held: HeldState) -> None:
-    """Point a fresh build at held state tensors (no copy); shapes must match exactly."""
+    """Point a fresh build at held state tensors (no copy; the parameters are copied into the build's
+    buffer with the distributed optimizer); shapes must match exactly."""
     params = list(ts.model.module.parameters())
     expected = len(params) + sum(
         len(g["params"]) * (1 + len(_ADAM_KEYS)) for o in inner_optimizers(ts.optimizer) for g in o.param_groups
@@ -373,8 +374,12 @@ def adopt_state(ts: TrainState, held: HeldState) -> None:
     if expected != len(held.tensors):
         raise ValueError(f"held state has {len(held.tensors)} tensors, the new build needs {expected}")
     it = iter(held.tensors)
+    # With the distributed optimizer the parameters are views of DDP's parameter buffer, which the
+    # optimizer's all-gather fills after every step: pointing them elsewhere would leave each data-
+    # parallel rank training on its own shard's updates only. Their values are copied in instead.
+    in_buffer = ts.spec.training.optimizer.distributed
     for p in params:
-        _assign(p, next(it))
+        _assign(p, next(it), copy=in_buffer)
     for opt in inner_optimizers(ts.optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -389,13 +394,17 @@ def adopt_state(ts: TrainState, held: HeldState) -> None:
     set_scheduler_steps(ts, held.scheduler_steps)
 
 
-def _assign(param: torch.Tensor, data: torch.Tensor) -> None:
+@torch.no_grad()
+def _assign(param: torch.Tensor, data: torch.Tensor, copy: bool = False) -> None:
     if param.shape != data.shape or param.dtype != data.dtype or param.device != data.device:
         raise ValueError(
             f"held tensor {tuple(data.shape)}/{data.dtype}/{data.device} does not fit "
             f"{tuple(param.shape)}/{param.dtype}/{param.device}"
         )
-    param.data = data
+    if copy:
+        param.data.copy_(data)
+    else:
+        param.data = data
 
 
 def replicated_state_tensors(ts: TrainState) -> list[torch.Tensor]:
