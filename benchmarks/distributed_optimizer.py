@@ -1,0 +1,250 @@
+"""Megatron's distributed optimizer recovering in memory, in one run: what the buddy copies cost in
+steady training, a shrink that takes the lost shard from its buddy's copy, a growth that reshards,
+and the same failure recovered from the newest checkpoint.
+
+Two GPUs (the first two of ``--gpus``): pods a and b train (TP 1, DP 2, one GPU each; bf16, the
+distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`` steps). In order:
+
+1. steady: ``--rounds`` rounds of an epoch with buddy copies (refreshed every
+   ``--replica-interval`` steps) and one without, ``--steps`` steps each, switched at step
+   boundaries: the median step time of each (an epoch's first ``SKIP`` steps left out) and the
+   copies' overhead;
+2. shrink in memory: b is SIGKILLed mid-step; a goes on alone (DP 2 -> 1) with its own shard and
+   the copy of b's it keeps, as the operator's planner says with in-memory restore on: kill -> a's
+   first step, and the steps redone;
+3. grow in memory: pod c boots on b's GPU and joins at a step boundary (DP 1 -> 2), its shard
+   resharded from a's: the boundary reached -> the first step of both (one step of the new mesh
+   included; a's step time before is printed beside it);
+4. shrink from the checkpoint, for comparison: c is SIGKILLed mid-step and a reloads the newest
+   checkpoint (the plan without in-memory restore): kill -> first step, and the steps redone.
+
+Then every step's samples are checked (each committed step exactly its global batch; a redone step
+counts in its final epoch). Prints and writes the figures, with each epoch's phase times.
+
+    python benchmarks/distributed_optimizer.py --gpus 2 --out benchmarks/results/distributed_optimizer_2xH200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / p) for p in ("contract", "operator", "trainer", "localcluster", "tests", "tests/trainer")]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+from trainer_recovery import add_job_args, job_spec, kill_inside_step  # noqa: E402
+from worker_harness import WorkerCluster, in_memory_plan, wait_for  # noqa: E402
+
+from localcluster.chaos import check_history, read_samples  # noqa: E402
+from megatron_contract.job import CheckpointSpec, MegatronJobSpec  # noqa: E402
+from megatron_contract.mesh import MeshPlan, PlanReason, StateSource, StateSourceKind  # noqa: E402
+from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
+from megatron_trainer.worker.checkpoint_files import newest_complete  # noqa: E402
+
+SKIP = 2  # an epoch's first steps: the first step's own costs, the first refresh's pinned buffers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="steps of each steady epoch")
+    parser.add_argument("--replica-interval", type=int, default=1, help="replicaIntervalSteps")
+    parser.add_argument("--checkpoint-interval", type=int, default=10)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: a temporary directory")
+    add_job_args(parser)
+    parser.set_defaults(gpus=2)
+    args = parser.parse_args()
+    if args.gpus < 2 or args.global_batch % 2:
+        parser.error("needs 2 GPUs (or CPU processes) and an even --global-batch")
+    gpu = torch.cuda.is_available()
+    if gpu and torch.cuda.device_count() < 2:
+        parser.error(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="distopt-"))
+    spec = _distributed(job_spec(args, dp=2, train_iters=1_000_000, spares=0), args, workdir)
+    cluster = WorkerCluster(spec, workdir)
+    result: dict[str, Any] = {"args": vars(args)}
+    plans: list[MeshPlan] = []
+
+    def boot(pod: str, device: int) -> None:
+        cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(device)} if gpu else {})
+
+    def assign(plan: MeshPlan, pods: list[str]) -> MeshPlan:
+        cluster.assign(plan, pods)
+        plans.append(plan)
+        return plan
+
+    def first_step_of(epoch: int, pods: list[str]) -> float:
+        def done() -> bool:
+            for w in cluster.workers(pods):
+                cluster.raise_if_failed(w)
+            return all(any(p.epoch == epoch for p in w.of_type(Progress)) for w in cluster.workers(pods))
+
+        wait_for(done, 600, f"first step of epoch {epoch}", interval=0.002)
+        return time.time()
+
+    def phases(epoch: int, pods: list[str]) -> dict[str, dict[str, float]]:
+        return {w.pod: next(m.phases for m in w.of_type(PhaseTimes) if m.epoch == epoch) for w in cluster.workers(pods)}
+
+    def boundary(pods: list[str], ahead: int) -> int:
+        return max(w.last_step() for w in cluster.workers(pods)) + ahead
+
+    def step_times(epoch: int, pods: list[str]) -> list[float]:
+        times = [[p.step_time_seconds for p in w.of_type(Progress) if p.epoch == epoch] for w in cluster.workers(pods)]
+        return [max(ts) for ts in zip(*times, strict=False)][SKIP:]  # the slower member's, step by step
+
+    def report(name: str, row: dict[str, Any]) -> None:
+        result[name] = row
+        shown = {k: v for k, v in row.items() if k != "phases_by_pod"}
+        print(f"{name}: {json.dumps(shown)}", flush=True)
+
+    try:
+        boot("a", 0)
+        boot("b", 1)
+        cluster.wait_ready(["a", "b"], timeout=600)
+        plan = assign(cluster.plan(["a", "b"], buddies=True), ["a", "b"])
+        cluster.wait_steps(["a", "b"], 1, timeout=600)
+
+        # 1. Steady state: epochs with and without copies, alternating.
+        medians: dict[str, list[float]] = {"copies": [], "none": []}
+        for _ in range(args.rounds):
+            for kind in ("none", "copies"):
+                start = boundary(["a", "b"], 2)
+                plan = assign(
+                    cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=kind == "copies"),
+                    ["a", "b"],
+                )
+                cluster.wait_steps(["a", "b"], start + args.steps, timeout=900)
+                medians[kind].append(statistics.median(step_times(plan.epoch, ["a", "b"])))
+        with_copies, without = statistics.median(medians["copies"]), statistics.median(medians["none"])
+        report(
+            "steady",
+            {
+                "median_step_s_with_copies": round(with_copies, 4),
+                "median_step_s_without": round(without, 4),
+                "overhead_percent": round(100 * (with_copies / without - 1), 2),
+                "epoch_medians": medians,
+                "replica_interval_steps": args.replica_interval,
+            },
+        )
+        # The last steady epoch keeps copies: the failure below finds them.
+        cluster.wait_steps(["a", "b"], boundary(["a", "b"], 2), timeout=300)
+
+        # 2. Shrink in memory: b dies, a takes b's shard from the copy it keeps.
+        killed_at, step_time = kill_inside_step(cluster.pods["b"][0], rng)
+        cluster.wait_failed_reports(["a"], epoch=plan.epoch, timeout=120)
+        survivors_step = max(w.last_step() for w in cluster.workers(["a"]))
+        previous = plan
+        plan = assign(in_memory_plan(cluster, ["a"], previous, survivors_step, PlanReason.SHRINK), ["a"])
+        end = first_step_of(plan.epoch, ["a"])
+        cluster.kill_pod("b")
+        state = plan.optimizer_state
+        assert state is not None
+        report(
+            "shrink_in_memory",
+            {
+                "kill_to_first_step_s": round(end - killed_at, 3),
+                "step_time_before_s": round(step_time, 3),
+                "steps_redone": survivors_step - plan.resume_step,
+                "source": state.source.value,
+                "copies": [c.model_dump() for c in state.copies],
+                "phases_by_pod": phases(plan.epoch, ["a"]),
+            },
+        )
+
+        # 3. Grow in memory: c joins on b's GPU at a step boundary; its shard is resharded from a's.
+        boot("c", 1)
+        wait_for(lambda: cluster.pods["c"][0].of_type(Hello), 600, "pod c to warm up")
+        at = boundary(["a"], 3)
+        previous = plan
+        plan = assign(in_memory_plan(cluster, ["a", "c"], previous, at, PlanReason.GROW), ["a", "c"])
+        cluster.wait_steps(["a"], at, timeout=300)
+        reached = time.time()
+        end = first_step_of(plan.epoch, ["a", "c"])
+        report(
+            "grow_in_memory",
+            {
+                "boundary_to_first_step_s": round(end - reached, 3),
+                "survivor_step_time_before_s": round(statistics.median(step_times(previous.epoch, ["a"])), 3),
+                "boundary": at,
+                "phases_by_pod": phases(plan.epoch, ["a", "c"]),
+            },
+        )
+        cluster.wait_steps(["a", "c"], at + max(args.checkpoint_interval, 4), timeout=600)
+
+        # 4. The same shrink from the newest checkpoint.
+        killed_at, step_time = kill_inside_step(cluster.pods["c"][0], rng)
+        cluster.wait_failed_reports(["a"], epoch=plan.epoch, timeout=120)
+        survivors_step = max(w.last_step() for w in cluster.workers(["a"]))
+        saved = newest_complete(_checkpoint_root(spec))
+        assert saved is not None, "no complete checkpoint to restore"
+        sources = {0: StateSource(rank=0, kind=StateSourceKind.CHECKPOINT, checkpoint_step=saved)}
+        plan = assign(
+            cluster.plan(["a"], resume_step=saved, reason=PlanReason.SHRINK, sources=sources),
+            ["a"],
+        )
+        end = first_step_of(plan.epoch, ["a"])
+        cluster.kill_pod("c")
+        report(
+            "shrink_from_checkpoint",
+            {
+                "kill_to_first_step_s": round(end - killed_at, 3),
+                "step_time_before_s": round(step_time, 3),
+                "steps_redone": survivors_step - saved,
+                "checkpoint_step": saved,
+                "phases_by_pod": phases(plan.epoch, ["a"]),
+            },
+        )
+        cluster.wait_steps(["a"], survivors_step + 2, timeout=600)
+
+        done = min(w.last_step() for w in cluster.workers(["a"]))
+        problems, _, redone = check_history(
+            {k: v for k, v in read_samples(cluster.sample_dir).items() if k[1] < done},
+            done,
+            spec.training.global_batch_size,
+            victims={"b", "c"},
+        )
+        if problems:
+            raise AssertionError(problems)
+        # Losses are not compared across epochs: a step redone at DP 1 after the checkpoint was trained
+        # at DP 2 before, and its loss sums micro-batches in another order.
+        result["samples"] = {"steps_checked": done, "steps_trained_again": redone}
+        print(f"samples: steps 0..{done - 1} each consumed its global batch once; trained again: {redone}")
+        in_memory = result["shrink_in_memory"]["kill_to_first_step_s"]
+        from_checkpoint = result["shrink_from_checkpoint"]["kill_to_first_step_s"]
+        result["shrink_ratio_in_memory_to_checkpoint"] = round(in_memory / from_checkpoint, 3)
+        print(f"shrink in memory / from the checkpoint: {result['shrink_ratio_in_memory_to_checkpoint']}")
+    except BaseException:
+        print(cluster.logs())
+        raise
+    finally:
+        cluster.close()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def _distributed(spec: MegatronJobSpec, args: argparse.Namespace, workdir: Path) -> MegatronJobSpec:
+    wire = spec.to_wire()
+    wire["training"]["optimizer"].update({"distributed": True, "replicaIntervalSteps": args.replica_interval})
+    root = args.checkpoint_dir or workdir / "checkpoints"
+    wire["checkpoint"] = CheckpointSpec(path=str(root), interval_steps=args.checkpoint_interval).to_wire()
+    return MegatronJobSpec.model_validate(wire)
+
+
+def _checkpoint_root(spec: MegatronJobSpec) -> Path:
+    assert spec.checkpoint is not None
+    return Path(spec.checkpoint.path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
