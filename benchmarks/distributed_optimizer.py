@@ -7,8 +7,9 @@ distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`
 
 1. steady: ``--rounds`` rounds of an epoch with buddy copies (refreshed every
    ``--replica-interval`` steps) and one without, ``--steps`` steps each, switched at step
-   boundaries: the median step time of each (an epoch's first ``SKIP`` steps left out) and the
-   copies' overhead;
+   boundaries: the wall time per step of each (an epoch's first ``SKIP`` steps left out; it
+   includes what the refresh blocks between steps, which the workers' own step time does not)
+   and the copies' overhead;
 2. shrink in memory: b is SIGKILLed mid-step; a goes on alone (DP 2 -> 1) with its own shard and
    the copy of b's it keeps, as the operator's planner says with in-memory restore on: kill -> a's
    first step, and the steps redone;
@@ -29,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -60,6 +63,7 @@ def main() -> int:
     parser.add_argument("--replica-interval", type=int, default=1, help="replicaIntervalSteps")
     parser.add_argument("--checkpoint-interval", type=int, default=10)
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: a temporary directory")
+    parser.add_argument("--logs", type=Path, default=None, help="copy the workers' logs into this directory")
     add_job_args(parser)
     parser.set_defaults(gpus=2)
     args = parser.parse_args()
@@ -74,6 +78,7 @@ def main() -> int:
     cluster = WorkerCluster(spec, workdir)
     result: dict[str, Any] = {"args": vars(args)}
     plans: list[MeshPlan] = []
+    t0 = time.monotonic()
 
     def boot(pod: str, device: int) -> None:
         cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(device)} if gpu else {})
@@ -99,8 +104,21 @@ def main() -> int:
         return max(w.last_step() for w in cluster.workers(pods)) + ahead
 
     def step_times(epoch: int, pods: list[str]) -> list[float]:
+        """The step time the workers measure (the step alone), the slower member's, step by step."""
         times = [[p.step_time_seconds for p in w.of_type(Progress) if p.epoch == epoch] for w in cluster.workers(pods)]
-        return [max(ts) for ts in zip(*times, strict=False)][SKIP:]  # the slower member's, step by step
+        return [max(ts) for ts in zip(*times, strict=False)][SKIP:]
+
+    def restored(epoch: int) -> dict[str, int]:
+        """The step pod a restored its shards at in ``epoch`` (agreed at runtime), the steps redone."""
+        found = re.search(
+            rf"epoch {epoch} rank 0: optimizer shards of step (\d+) restored in memory \(\w+, (\d+) steps redone\)",
+            cluster.pods["a"][0].log_path.read_text(),
+        )
+        assert found, f"pod a logged no in-memory restore in epoch {epoch}"
+        return {"restored_step": int(found[1]), "steps_redone": int(found[2])}
+
+    def log(line: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f} s] {line}", flush=True)
 
     def report(name: str, row: dict[str, Any]) -> None:
         result[name] = row
@@ -111,11 +129,13 @@ def main() -> int:
         boot("a", 0)
         boot("b", 1)
         cluster.wait_ready(["a", "b"], timeout=600)
+        log("a and b warm")
         plan = assign(cluster.plan(["a", "b"], buddies=True), ["a", "b"])
         cluster.wait_steps(["a", "b"], 1, timeout=600)
 
         # 1. Steady state: epochs with and without copies, alternating.
         medians: dict[str, list[float]] = {"copies": [], "none": []}
+        walls: dict[str, list[float]] = {"copies": [], "none": []}
         for _ in range(args.rounds):
             for kind in ("none", "copies"):
                 start = boundary(["a", "b"], 2)
@@ -123,16 +143,21 @@ def main() -> int:
                     cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=kind == "copies"),
                     ["a", "b"],
                 )
+                cluster.wait_steps(["a", "b"], start + SKIP, timeout=900)
+                began = time.monotonic()
                 cluster.wait_steps(["a", "b"], start + args.steps, timeout=900)
+                walls[kind].append((time.monotonic() - began) / (args.steps - SKIP))
                 medians[kind].append(statistics.median(step_times(plan.epoch, ["a", "b"])))
-        with_copies, without = statistics.median(medians["copies"]), statistics.median(medians["none"])
+                log(f"steady epoch {plan.epoch} ({kind}): {walls[kind][-1]:.3f} s a step (wall)")
+        with_copies, without = statistics.median(walls["copies"]), statistics.median(walls["none"])
         report(
             "steady",
             {
-                "median_step_s_with_copies": round(with_copies, 4),
-                "median_step_s_without": round(without, 4),
+                "wall_s_per_step_with_copies": round(with_copies, 4),
+                "wall_s_per_step_without": round(without, 4),
                 "overhead_percent": round(100 * (with_copies / without - 1), 2),
-                "epoch_medians": medians,
+                "epoch_wall_s_per_step": walls,
+                "epoch_median_step_time_s": medians,  # the step alone, without the refresh around it
                 "replica_interval_steps": args.replica_interval,
             },
         )
@@ -140,9 +165,13 @@ def main() -> int:
         cluster.wait_steps(["a", "b"], boundary(["a", "b"], 2), timeout=300)
 
         # 2. Shrink in memory: b dies, a takes b's shard from the copy it keeps.
+        log("shrink in memory: SIGKILL of b")
         killed_at, step_time = kill_inside_step(cluster.pods["b"][0], rng)
-        cluster.wait_failed_reports(["a"], epoch=plan.epoch, timeout=120)
+        # As the operator does when b's agent reports its worker dead (the survivor may be waiting on
+        # the refresh in flight, which only a newer plan or gloo's timeout ends), from the step a
+        # holds.
         survivors_step = max(w.last_step() for w in cluster.workers(["a"]))
+        log(f"b is dead; a holds step {survivors_step}")
         previous = plan
         plan = assign(in_memory_plan(cluster, ["a"], previous, survivors_step, PlanReason.SHRINK), ["a"])
         end = first_step_of(plan.epoch, ["a"])
@@ -154,7 +183,8 @@ def main() -> int:
             {
                 "kill_to_first_step_s": round(end - killed_at, 3),
                 "step_time_before_s": round(step_time, 3),
-                "steps_redone": survivors_step - plan.resume_step,
+                "steps_redone_planned": survivors_step - plan.resume_step,
+                **restored(plan.epoch),
                 "source": state.source.value,
                 "copies": [c.model_dump() for c in state.copies],
                 "phases_by_pod": phases(plan.epoch, ["a"]),
@@ -162,6 +192,7 @@ def main() -> int:
         )
 
         # 3. Grow in memory: c joins on b's GPU at a step boundary; its shard is resharded from a's.
+        log("grow in memory: c boots")
         boot("c", 1)
         wait_for(lambda: cluster.pods["c"][0].of_type(Hello), 600, "pod c to warm up")
         at = boundary(["a"], 3)
@@ -176,12 +207,14 @@ def main() -> int:
                 "boundary_to_first_step_s": round(end - reached, 3),
                 "survivor_step_time_before_s": round(statistics.median(step_times(previous.epoch, ["a"])), 3),
                 "boundary": at,
+                **restored(plan.epoch),
                 "phases_by_pod": phases(plan.epoch, ["a", "c"]),
             },
         )
         cluster.wait_steps(["a", "c"], at + max(args.checkpoint_interval, 4), timeout=600)
 
         # 4. The same shrink from the newest checkpoint.
+        log("shrink from the checkpoint: SIGKILL of c")
         killed_at, step_time = kill_inside_step(cluster.pods["c"][0], rng)
         cluster.wait_failed_reports(["a"], epoch=plan.epoch, timeout=120)
         survivors_step = max(w.last_step() for w in cluster.workers(["a"]))
@@ -228,6 +261,10 @@ def main() -> int:
         raise
     finally:
         cluster.close()
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for path in workdir.glob("*.log"):
+                shutil.copy(path, args.logs / path.name)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
     return 0

@@ -521,5 +521,5 @@ def in_memory_plan(
     assert not found.reload, f"the planner reloads the checkpoint: {found}"
     assert found.resume_step is not None
     return MeshPlan.model_validate(
-        base.model_dump() | {"optimizer_state": found.state, "resume_step": found.resume_step}
+        base.model_dump() | {"optimizer_state": found.state, "resume_step": found.resume_step, "state_sources": []}
     )

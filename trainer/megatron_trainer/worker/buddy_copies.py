@@ -23,7 +23,8 @@ each member already has, which differs along a ring of buddies.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +36,9 @@ from megatron_contract.mesh import MeshPlan
 
 #: Generations kept: the newest complete copy survives a refresh in flight.
 GENERATIONS = BUDDY_GENERATIONS
+
+#: How often a refresh's wait looks at its stop condition.
+_STOP_POLL_SECONDS = 0.01
 
 #: Tags of the shape exchange, past those of the shards (one per shard, from 0).
 _SHAPES_TAG = 1 << 20
@@ -131,10 +135,36 @@ class BuddyCopies:
         assert work is not None
         return work
 
-    def finish_refresh(self) -> None:
-        """Wait for the exchange in flight; its generation is then complete."""
-        for request in self._requests:
-            request.wait()
+    def finish_refresh(self, stop: Callable[[], bool] | None = None) -> None:
+        """Wait for the exchange in flight; its generation is then complete.
+
+        ``stop``: polled while waiting; once true the wait ends with RuntimeError (a newer plan
+        interrupted the epoch, whose buddy may be dead: gloo would wait out its timeout). The wait
+        itself then runs on a thread of its own, since a gloo wait with a timeout closes the
+        connection when it expires, and gloo's works do not say when they completed; the thread
+        ends when the links are let go (:meth:`abandon`) or gloo times out."""
+        requests = self._requests
+        if stop is None:
+            for request in requests:
+                request.wait()
+        else:
+            done, errors = threading.Event(), []
+
+            def wait_all() -> None:
+                try:
+                    for request in requests:
+                        request.wait()
+                except RuntimeError as err:
+                    errors.append(err)
+                finally:
+                    done.set()
+
+            threading.Thread(target=wait_all, name="buddy-copies-wait", daemon=True).start()
+            while not done.wait(_STOP_POLL_SECONDS):
+                if stop():
+                    raise RuntimeError(f"rank {self.rank}: refresh of step {self._generations[-1].step} interrupted")
+            if errors:
+                raise errors[0]
         self._requests = self._receives = []
         if self._generations:
             self._generations[-1].complete = True

@@ -187,7 +187,7 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool) -> bool:
     worker.marks.begin(Phase.CHECKPOINT, ts.step)
     try:
         if copies.in_flight:
-            copies.finish_refresh()
+            copies.finish_refresh(stop=worker.aborted.is_set)  # a plan interrupting: the buddy may be dead
             _log_copies(worker, copies, "copies")
         if due:
             copies.start_refresh(ts.step, flat_shards(ts.optimizer))
