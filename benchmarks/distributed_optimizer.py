@@ -77,7 +77,6 @@ def main() -> int:
     spec = _distributed(job_spec(args, dp=2, train_iters=1_000_000, spares=0), args, workdir)
     cluster = WorkerCluster(spec, workdir)
     result: dict[str, Any] = {"args": vars(args)}
-    plans: list[MeshPlan] = []
     t0 = time.monotonic()
 
     def boot(pod: str, device: int) -> None:
@@ -85,17 +84,10 @@ def main() -> int:
 
     def assign(plan: MeshPlan, pods: list[str]) -> MeshPlan:
         cluster.assign(plan, pods)
-        plans.append(plan)
         return plan
 
     def first_step_of(epoch: int, pods: list[str]) -> float:
-        def done() -> bool:
-            for w in cluster.workers(pods):
-                cluster.raise_if_failed(w)
-            return all(any(p.epoch == epoch for p in w.of_type(Progress)) for w in cluster.workers(pods))
-
-        wait_for(done, 600, f"first step of epoch {epoch}", interval=0.002)
-        return time.time()
+        return cluster.wait_first_step(epoch, pods, timeout=600)
 
     def phases(epoch: int, pods: list[str]) -> dict[str, dict[str, float]]:
         return {w.pod: next(m.phases for m in w.of_type(PhaseTimes) if m.epoch == epoch) for w in cluster.workers(pods)}

@@ -94,13 +94,7 @@ def main() -> int:
         time.sleep(rng.uniform(0.1, 0.9) * w.of_type(Progress)[-1].step_time_seconds)
 
     def first_step_of(epoch: int, pods: list[str]) -> float:
-        def done() -> bool:
-            for w in cluster.workers(pods):
-                cluster.raise_if_failed(w)
-            return all(any(p.epoch == epoch for p in w.of_type(Progress)) for w in cluster.workers(pods))
-
-        wait_for(done, 300, f"first step of epoch {epoch}", interval=0.002)
-        return time.time()
+        return cluster.wait_first_step(epoch, pods, timeout=300)
 
     def record(name: str, epoch: int, pods: list[str], start: float, end: float, **extra: Any) -> None:
         phases = {

@@ -437,6 +437,19 @@ class WorkerCluster:
         for w in self.workers(pods):
             wait_for(lambda w=w: w.last_step() >= step or self._failed(w), timeout, f"{w.name} to reach step {step}")
 
+    def wait_first_step(self, epoch: int, pods: Iterable[str], timeout: float = 300.0) -> float:
+        """Wait until every worker of ``pods`` completed a step of ``epoch`` (polled every 2 ms);
+        returns when it saw that (``time.time()``)."""
+        workers = self.workers(pods)
+
+        def done() -> bool:
+            for w in workers:
+                self.raise_if_failed(w)
+            return all(any(p.epoch == epoch for p in w.of_type(Progress)) for w in workers)
+
+        wait_for(done, timeout, f"first step of epoch {epoch}", interval=0.002)
+        return time.time()
+
     def wait_succeeded(self, pods: Iterable[str], timeout: float = 180.0) -> None:
         for w in self.workers(pods):
             wait_for(lambda w=w: "succeeded" in w.states() or self._failed(w), timeout, f"{w.name} to succeed")
