@@ -3,11 +3,14 @@ for its *ward* (the rank whose buddy it is, ``MeshPlan.buddy_of``; on another po
 
 A refresh copies this rank's flat shards (worker/optimizer_shards.py) to host memory and exchanges
 them point to point: this rank's snapshot to its buddy, its ward's into this rank's memory. It is
-started after an optimizer step and finished later (the next step's compute runs meanwhile); only
-a finished refresh counts as a complete copy. Two generations are kept, so while a refresh is in
-flight the previous complete one is still whole: a failure then goes back to it (the plan says how
-many steps are redone). The host memory this takes per pod is
-``megatron_contract.host_memory.pod_copy_bytes``.
+started after an optimizer step and runs beside the steps that follow: on GPU the copy to pinned host
+memory runs on a side stream (the shards are a copy already, so the next optimizer step need not wait
+for it), and the exchange on a thread of its own once that copy is done. It is finished (waited for)
+only when the next refresh is due or the epoch is left; in between the training loop asks whether it
+is done (:meth:`BuddyCopies.poll`). Only a finished refresh counts as a complete copy. Two
+generations are kept, so while a refresh is in flight the previous complete one is still whole: a
+failure then goes back to it (the plan says how many steps are redone). The host memory this takes
+per pod is ``megatron_contract.host_memory.pod_copy_bytes``.
 
 The training loop (worker/training_loop.py) refreshes after every ``replicaIntervalSteps``-th step
 when the plan asks for buddies. The exchange runs on gloo connections of its own, one per pair of
@@ -58,6 +61,16 @@ class _Generation:
     complete: bool = False
 
 
+@dataclasses.dataclass
+class _Exchange:
+    """The transfers of the refresh in flight, run by a thread of their own: gloo's works do not say
+    when they completed, and a wait with a timeout closes the connection when it expires."""
+
+    received: threading.Event = dataclasses.field(default_factory=threading.Event)  # the ward's copy arrived
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)  # every transfer ended
+    errors: list[RuntimeError] = dataclasses.field(default_factory=list)
+
+
 class BuddyCopies:
     """This rank's generations of host copies, and the refresh in flight."""
 
@@ -78,15 +91,17 @@ class BuddyCopies:
         self._links = links
         self._limit = generations
         self._generations: list[_Generation] = []  # oldest first
-        self._requests: list[dist.Work] = []
-        self._receives: list[dist.Work] = []  # of the ward's copy, among the requests
+        self._exchange: _Exchange | None = None
+        self._lock = threading.Lock()  # the links against abandon(), for the exchange's thread
         self._closed = False
         self._ward_shapes: list[torch.Size] | None = None  # learnt at the first refresh
+        self._stream: Any = None  # the side stream of the copies to host memory (GPU shards)
 
     def start_refresh(self, step: int, shards: Sequence[torch.Tensor]) -> None:
-        """Copy ``shards`` (this rank's, after ``step`` steps) to host memory and start exchanging:
-        every rank of the world calls this for the same step (sends and receives pair up)."""
-        if self._requests:
+        """Copy ``shards`` (this rank's, after ``step`` steps; the caller's to give up, the copy may
+        still read them) to host memory and start exchanging: every rank of the world calls this for
+        the same step (sends and receives pair up)."""
+        if self._exchange is not None:
             raise RuntimeError(f"rank {self.rank}: a refresh is still in flight")
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
@@ -102,13 +117,51 @@ class BuddyCopies:
             own = [torch.empty(s.shape, dtype=s.dtype, pin_memory=pin) for s in shards]
             dtype = shards[0].dtype if shards else torch.float32
             ward = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape in self._ward_shapes]
-        for host, shard in zip(own, shards, strict=True):
-            host.copy_(shard, non_blocking=pin)
-        if pin:
-            torch.cuda.current_stream().synchronize()  # the snapshot is whole before it is sent
+        copied = self._copy_to_host(own, shards) if pin else None
+        if not pin:
+            for host, shard in zip(own, shards, strict=True):
+                host.copy_(shard)
         self._generations.append(_Generation(step, own, ward))
-        self._receives = [self._recv(t, i) for i, t in enumerate(ward)]
-        self._requests = [self._send(t, i) for i, t in enumerate(own)] + self._receives
+        self._exchange = exchange = _Exchange()
+        threading.Thread(
+            target=self._transfer, args=(exchange, copied, own, ward), name="buddy-copies", daemon=True
+        ).start()
+
+    def _copy_to_host(self, own: list[torch.Tensor], shards: Sequence[torch.Tensor]) -> Any:
+        """Start copying GPU ``shards`` into pinned ``own`` on the side stream, after what the
+        current stream has queued (the step that made them); returns the event of its end."""
+        device = next(s.device for s in shards if s.is_cuda)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            for host, shard in zip(own, shards, strict=True):
+                host.copy_(shard, non_blocking=True)
+                shard.record_stream(self._stream)  # its memory is not reused before the copy is done
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _transfer(self, exchange: _Exchange, copied: Any, own: list[torch.Tensor], ward: list[torch.Tensor]) -> None:
+        """The exchange's thread: once the snapshot is in host memory, send it and receive the
+        ward's; ends when every transfer did or one failed (a dead peer, or links let go)."""
+        try:
+            if copied is not None:
+                copied.synchronize()  # the snapshot is whole before it is sent
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
+                receives = [self._recv(t, i) for i, t in enumerate(ward)]
+                sends = [self._send(t, i) for i, t in enumerate(own)]
+            for request in receives:
+                request.wait()
+            exchange.received.set()
+            for request in sends:
+                request.wait()
+        except RuntimeError as err:
+            exchange.errors.append(err)
+        finally:
+            exchange.done.set()
 
     def _exchange_shapes(self, shards: Sequence[torch.Tensor]) -> list[torch.Size]:
         """Send the buddy the shapes of this rank's shards and receive the ward's (once per epoch,
@@ -136,38 +189,34 @@ class BuddyCopies:
         return work
 
     def finish_refresh(self, stop: Callable[[], bool] | None = None) -> None:
-        """Wait for the exchange in flight; its generation is then complete.
+        """Wait for the refresh in flight; its generation is then complete. Raises the exchange's
+        error (RuntimeError) when it failed; the refresh then stays in flight (for :meth:`salvage`).
 
         ``stop``: polled while waiting; once true the wait ends with RuntimeError (a newer plan
-        interrupted the epoch, whose buddy may be dead: gloo would wait out its timeout). The wait
-        itself then runs on a thread of its own, since a gloo wait with a timeout closes the
-        connection when it expires, and gloo's works do not say when they completed; the thread
-        ends when the links are let go (:meth:`abandon`) or gloo times out."""
-        requests = self._requests
-        if stop is None:
-            for request in requests:
-                request.wait()
-        else:
-            done, errors = threading.Event(), []
+        interrupted the epoch, whose buddy may be dead: gloo would wait out its timeout). The
+        exchange's thread ends when the links are let go (:meth:`abandon`) or gloo times out."""
+        exchange = self._exchange
+        if exchange is None:
+            return
+        while not exchange.done.wait(_STOP_POLL_SECONDS):
+            if stop is not None and stop():
+                raise RuntimeError(f"rank {self.rank}: refresh of step {self._generations[-1].step} interrupted")
+        self._settle(exchange)
 
-            def wait_all() -> None:
-                try:
-                    for request in requests:
-                        request.wait()
-                except RuntimeError as err:
-                    errors.append(err)
-                finally:
-                    done.set()
+    def poll(self) -> bool:
+        """Without waiting: True when the refresh in flight has just finished (it is then complete).
+        Raises like :meth:`finish_refresh` when its exchange failed."""
+        exchange = self._exchange
+        if exchange is None or not exchange.done.is_set():
+            return False
+        self._settle(exchange)
+        return True
 
-            threading.Thread(target=wait_all, name="buddy-copies-wait", daemon=True).start()
-            while not done.wait(_STOP_POLL_SECONDS):
-                if stop():
-                    raise RuntimeError(f"rank {self.rank}: refresh of step {self._generations[-1].step} interrupted")
-            if errors:
-                raise errors[0]
-        self._requests = self._receives = []
-        if self._generations:
-            self._generations[-1].complete = True
+    def _settle(self, exchange: _Exchange) -> None:
+        if exchange.errors:
+            raise exchange.errors[0]
+        self._exchange = None
+        self._generations[-1].complete = True
 
     def host_bytes(self) -> int:
         """Bytes of host memory the copies hold (every generation, own and ward's)."""
@@ -175,18 +224,14 @@ class BuddyCopies:
 
     def salvage(self, timeout: timedelta) -> bool:
         """After a failure, before :meth:`abandon`: the refresh in flight is complete for this rank
-        if its ward's copy arrives within ``timeout`` (its own snapshot is whole since the start;
+        if its ward's copy arrives within ``timeout`` (its own snapshot is whole once it was sent;
         what its buddy received is the buddy's to say). A ward that died after sending, in the step
         after the refresh, was usually received long before: with one step between refreshes no
         completed step is lost. Never raises; True when the refresh completed."""
-        if not self._requests:
-            return False
-        try:
-            for request in self._receives:
-                request.wait(timeout)
-        except RuntimeError:  # not all arrived: the ward died or hung before sending
-            return False
-        self._requests = self._receives = []
+        exchange = self._exchange
+        if exchange is None or not exchange.received.wait(timeout.total_seconds()):
+            return False  # none in flight, or not all arrived: the ward died or hung before sending
+        self._exchange = None
         self._generations[-1].complete = True
         return True
 
@@ -194,15 +239,16 @@ class BuddyCopies:
         """Give up the refresh in flight (its exchange failed, or the epoch is left): its generation
         is dropped, the complete ones stay. The links are let go (freeing them closes their
         connections): no refresh can start after this."""
-        self._requests = self._receives = []
+        with self._lock:
+            self._links = None
+            self._closed = True
+        self._exchange = None
         if self._generations and not self._generations[-1].complete:
             self._generations.pop()
-        self._links = None
-        self._closed = True
 
     @property
     def in_flight(self) -> bool:
-        return bool(self._requests)
+        return self._exchange is not None
 
     def complete_steps(self) -> list[int]:
         """Steps of the complete copies this rank holds, newest first (what its agent reports)."""

@@ -8,9 +8,10 @@ for the next plan. A suspend plan trains no step: it writes one checkpoint and w
 be deleted.
 
 With the distributed optimizer and a plan that keeps buddy copies, every ``replicaIntervalSteps``-th
-step starts a refresh of this rank's copies (worker/buddy_copies.py) and the step after it finishes
-it (the exchange runs during that step's compute), as does leaving the epoch at a step boundary or
-at its end; the copies held go to the agent (``ReplicaSteps``). A failed exchange is handled like a
+step starts a refresh of this rank's copies (worker/buddy_copies.py). It runs beside the steps that
+follow: each step boundary notes whether it is done, and the next refresh that is due, or leaving
+the epoch at a step boundary or at its end, waits for it (a transfer slower than the interval's
+steps costs step time there). The copies held go to the agent (``ReplicaSteps``). A failed exchange is handled like a
 failed step; a failed step first gives the ward's copy of the refresh in flight a moment to arrive
 (:data:`SALVAGE_WAIT`). The copies only read the optimizer's state: training is the same with or
 without them.
@@ -98,7 +99,7 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
                 tokens_per_second=result.tokens / result.seconds if result.seconds > 0 else 0.0,
             )
         )
-        if not _refresh_copies(worker, plan, due=interval > 0 and ts.step % interval == 0):
+        if not _refresh_copies(worker, plan, due=interval > 0 and ts.step % interval == 0, wait=False):
             return
         if worker.saver is not None and not _checkpoint_after_step(worker, plan):
             return
@@ -175,19 +176,25 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     return interval
 
 
-def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool) -> bool:
-    """Finish the refresh in flight, then start one when ``due``, and tell the agent which copies
-    this rank holds; False when the exchange failed (then handled like a failed step)."""
+def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True) -> bool:
+    """Finish the refresh in flight (when ``wait`` or ``due``; otherwise only note whether it is
+    done), then start one when ``due``, and tell the agent which copies this rank holds; False when
+    the exchange failed (then handled like a failed step)."""
     copies, ts = worker.copies, worker.ts
     if copies is None or ts is None or not (due or copies.in_flight):
         return True
-    worker.out_of_step.clear()
-    # Watched like a save: the collective timeout allows it, and a long one tells stalled peers
-    # that this rank is alive (worker/watchdog.py).
-    worker.marks.begin(Phase.CHECKPOINT, ts.step)
+    watched = due or wait
+    if watched:
+        worker.out_of_step.clear()
+        # Watched like a save: the collective timeout allows it, and a long one tells stalled peers
+        # that this rank is alive (worker/watchdog.py).
+        worker.marks.begin(Phase.CHECKPOINT, ts.step)
     try:
         if copies.in_flight:
-            copies.finish_refresh(stop=worker.aborted.is_set)  # a plan interrupting: the buddy may be dead
+            if watched:
+                copies.finish_refresh(stop=worker.aborted.is_set)  # a plan interrupting: the buddy may be dead
+            elif not copies.poll():
+                return True  # still in flight: the next step runs beside it
             _log_copies(worker, copies, "copies")
         if due:
             copies.start_refresh(ts.step, flat_shards(ts.optimizer))
@@ -198,8 +205,9 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool) -> bool:
         _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
         return False
     finally:
-        worker.marks.end()
-        worker.out_of_step.set()
+        if watched:
+            worker.marks.end()
+            worker.out_of_step.set()
     worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
     return True
 
