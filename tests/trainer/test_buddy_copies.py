@@ -4,8 +4,9 @@ Scenario (4 processes, buddies a ring 0->1->2->3->0, the ranks' shards of differ
 numbers, as at different model-parallel positions): refreshes of steps 1 and 2 finish; the one of
 step 3 is started (in step 1's buffers) and, while in flight, the complete copy is still that
 of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
-yet a copy and a second refresh is refused; once finished, steps 3 and 2 are kept and step 1 is
-gone (two generations). Bad buddy assignments are refused without processes.
+yet a copy and a second refresh is refused; asked without waiting (``poll``), it is done once its
+transfers are; then steps 3 and 2 are kept and step 1 is gone (two generations). Bad buddy
+assignments are refused without processes.
 
 Two processes on their own gloo pair links, as the training loop makes them: a ward that dies
 with its refresh sent but unfinished leaves a copy its survivor salvages (complete, with the ward's
@@ -58,7 +59,7 @@ print(json.dumps(out), flush=True)
 """
 
 _RANK = r"""
-import datetime, json, sys
+import datetime, json, sys, time
 import torch, torch.distributed as dist
 from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
 
@@ -97,7 +98,11 @@ try:
     out["second_refresh"] = "started"
 except RuntimeError:
     out["second_refresh"] = "refused"
-copies.finish_refresh()
+deadline = time.monotonic() + 60
+while not copies.poll() and time.monotonic() < deadline:  # the training loop's look between refreshes
+    time.sleep(0.01)
+out["polled_done"] = not copies.in_flight
+copies.finish_refresh()  # nothing in flight any more: returns at once
 out["steps"] = copies.complete_steps()
 out["holds_3_and_2"] = holds(3) and holds(2)
 try:
@@ -122,6 +127,7 @@ def test_refreshes_keep_two_complete_generations_and_the_previous_one_while_in_f
             "in_flight_holds_2": True,
             "step_3_early": "refused",
             "second_refresh": "refused",
+            "polled_done": True,
             "steps": [3, 2],
             "holds_3_and_2": True,
             "step_1": "gone",
