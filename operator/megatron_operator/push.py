@@ -59,17 +59,24 @@ def agent_plan_url(member: PlanMember) -> str:
 
 
 class PlanPusher:
-    """Sends plans over one pooled HTTP client session."""
+    """Sends plans over one pooled HTTP client session, ``concurrency`` at a time.
+
+    A push's ``timeout`` starts when it gets one of those slots: aiohttp counts the wait for a pooled
+    connection into its ``connect`` and ``total`` timeouts, so with more members than slots the
+    later pushes timed out in the queue while the first were answered (a 1024-member plan: most
+    of them, at every retry) and every retry queued them again."""
 
     def __init__(self, timeout: float = 5.0, concurrency: int = 512) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 2.0))
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 2.0))
         self._concurrency = concurrency
+        self._slots = asyncio.Semaphore(concurrency)  # the connector's limit: no push waits in its pool
         self._session: aiohttp.ClientSession | None = None
 
     async def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=4, force_close=False)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+            self._slots = asyncio.Semaphore(self._concurrency)  # of this session's event loop
         return self._session
 
     async def close(self) -> None:
@@ -88,6 +95,12 @@ class PlanPusher:
         return list(await asyncio.gather(*(self._push_one(session, m, body, headers, plan.epoch) for m in targets)))
 
     async def _push_one(
+        self, session: aiohttp.ClientSession, member: PlanMember, body: bytes, headers: dict[str, str], epoch: int
+    ) -> PushOutcome:
+        async with self._slots:
+            return await self._post(session, member, body, headers, epoch)
+
+    async def _post(
         self, session: aiohttp.ClientSession, member: PlanMember, body: bytes, headers: dict[str, str], epoch: int
     ) -> PushOutcome:
         start = time.monotonic()

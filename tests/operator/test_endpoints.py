@@ -4,7 +4,8 @@ and the conflict retry of the pod-serial reservation (API call faked: a fast uni
 Scenarios: a plan goes to every member at once with the bearer token, serialized as the contract's
 wire form; 2xx and a 409 from an agent holding this epoch count as delivered; a 409 from an agent
 holding a newer epoch (the operator's status is behind it), or one for another reason (a finished
-pod, no epoch in the answer), 401/403, 5xx and a closed port do not; the report
+pod, no epoch in the answer), 401/403, 5xx and a closed port do not; with more members than
+concurrent pushes, each push's timeout starts when it gets its turn; the report
 endpoint refuses a missing token (401), a wrong one (403), an unknown job (404) and a bad body
 (400), accepts one report or a batch and answers with the epoch in force; a serial reservation
 that conflicts is retried with a fresh read, never goes below the floor, and gives up with a
@@ -95,6 +96,48 @@ def test_push_reaches_every_member_and_classifies_answers() -> None:
         assert {r for r in PushResult if r.delivered} == {PushResult.ACCEPTED, PushResult.ALREADY_HELD}
         assert len(seen) == 7 and all(auth == "Bearer tok" for auth, _ in seen)
         assert MeshPlan.model_validate(seen[0][1]) == plan
+
+    asyncio.run(run())
+
+
+def test_a_push_to_more_members_than_slots_times_each_request_not_its_wait_for_a_slot() -> None:
+    async def run() -> None:
+        ips = [f"127.0.0.{i}" for i in range(21, 29)]
+        plan = _plan([PodRef(f"p{i}", f"u{i}", ip) for i, ip in enumerate(ips)])
+        with socket.socket() as probe:
+            probe.bind((ips[0], 0))
+            port = probe.getsockname()[1]
+        plan = plan.model_copy(update={"members": [m.model_copy(update={"agent_port": port}) for m in plan.members]})
+        in_flight, most = 0, 0
+
+        async def slow(request: web.Request) -> web.Response:  # an agent answering after 0.4 s
+            nonlocal in_flight, most
+            in_flight += 1
+            most = max(most, in_flight)
+            await request.read()
+            await asyncio.sleep(0.4)
+            in_flight -= 1
+            return web.json_response({})
+
+        runners = []
+        for ip in ips:
+            app = web.Application()
+            app.router.add_post(wire.AGENT_PLAN_PATH, slow)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, ip, port).start()
+            runners.append(runner)
+        # Two slots for eight members: the last two wait 1.2 s for theirs, longer than the timeout.
+        pusher = PlanPusher(timeout=1.0, concurrency=2)
+        try:
+            pushed = await pusher.push(plan, "tok")
+        finally:
+            await pusher.close()
+            for r in runners:
+                await r.cleanup()
+        assert [o.result for o in pushed] == [PushResult.ACCEPTED] * 8, [o.detail for o in pushed]
+        assert most == 2
+        assert max(o.seconds for o in pushed) < 1.0  # each push is timed from its slot
 
     asyncio.run(run())
 
