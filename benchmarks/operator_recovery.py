@@ -280,8 +280,23 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             plan = api.status(JOB)["plan"]
             new_members = {m["pod"] for m in plan["members"]}
 
-            def all_pushed(new_members: set[str] = new_members, seen: int = seen, epoch: int = epoch) -> list[float]:
-                got = {pod: at for pod, ep, at, code in agents.received(seen) if ep == epoch + 1 and code == 200}
+            # Asked for what arrived since the last look only: fetching every answer since the failure at
+            # each look (50 a second, thousands of records once the operator retries) took the agents'
+            # process enough CPU to slow its answers, and so the pushes it measures.
+            got: dict[str, float] = {}  # member -> when it first accepted the plan
+            cursor = [seen]
+
+            def all_pushed(
+                new_members: set[str] = new_members,
+                got: dict[str, float] = got,
+                cursor: list[int] = cursor,
+                epoch: int = epoch,
+            ) -> list[float]:
+                news = agents.received(cursor[0])
+                cursor[0] += len(news)
+                for pod, ep, at, code in news:
+                    if pod is not None and ep == epoch + 1 and code == 200:
+                        got.setdefault(pod, at)
                 return list(got.values()) if new_members <= set(got) else []
 
             times = wait_for(all_pushed, 60, f"epoch {epoch + 1} at every member", interval=0.02)
