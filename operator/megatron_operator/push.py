@@ -69,15 +69,16 @@ class PlanPusher:
     def __init__(self, timeout: float = 5.0, concurrency: int = 512) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 2.0))
         self._concurrency = concurrency
-        self._slots = asyncio.Semaphore(concurrency)  # the connector's limit: no push waits in its pool
         self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None  # made with the session, in its event loop
 
-    async def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+    async def _get_session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        """The session, and its slots: as many as the connector's limit, so no push waits in its pool."""
+        if self._session is None or self._session.closed or self._slots is None:
             connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=4, force_close=False)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-            self._slots = asyncio.Semaphore(self._concurrency)  # of this session's event loop
-        return self._session
+            self._slots = asyncio.Semaphore(self._concurrency)
+        return self._session, self._slots
 
     async def close(self) -> None:
         """Close the HTTP session."""
@@ -87,17 +88,25 @@ class PlanPusher:
 
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         """Push ``plan`` to its members (or only to ``pods`` among them), all at once."""
-        session = await self._get_session()
+        session, slots = await self._get_session()
         # Serialized once for every member: a 4096-pod plan is about a megabyte.
         body = plan.model_dump_json(by_alias=True, exclude_none=True).encode()
         headers = {wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}", "Content-Type": "application/json"}
         targets = [m for m in plan.members if pods is None or m.pod in pods]
-        return list(await asyncio.gather(*(self._push_one(session, m, body, headers, plan.epoch) for m in targets)))
+        return list(
+            await asyncio.gather(*(self._push_one(session, slots, m, body, headers, plan.epoch) for m in targets))
+        )
 
     async def _push_one(
-        self, session: aiohttp.ClientSession, member: PlanMember, body: bytes, headers: dict[str, str], epoch: int
+        self,
+        session: aiohttp.ClientSession,
+        slots: asyncio.Semaphore,
+        member: PlanMember,
+        body: bytes,
+        headers: dict[str, str],
+        epoch: int,
     ) -> PushOutcome:
-        async with self._slots:
+        async with slots:
             return await self._post(session, member, body, headers, epoch)
 
     async def _post(
