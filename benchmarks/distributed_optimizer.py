@@ -56,6 +56,7 @@ from megatron_contract.job import CheckpointSpec, MegatronJobSpec  # noqa: E402
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSource, StateSourceKind  # noqa: E402
 from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
 from megatron_trainer.worker.checkpoint_files import newest_complete  # noqa: E402
+from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT  # noqa: E402
 
 SKIP = 2  # an epoch's first steps: the first step's own costs, the first refresh's pinned buffers
 
@@ -77,6 +78,15 @@ def main() -> int:
         "--recipe",
         action="store_true",
         help="train with steady_state.py's Llama-3 recipe (warmup + cosine, weight decay, clipping)",
+    )
+    parser.add_argument(
+        "--copy-transport",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="the buddy copies' transport on GPU (gloo: host memory over TCP, to compare)",
+    )
+    parser.add_argument(
+        "--no-checkpoint-arm", action="store_true", help="leave out 4. (the shrink from the checkpoint)"
     )
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: a temporary directory")
     parser.add_argument("--logs", type=Path, default=None, help="copy the workers' logs into this directory")
@@ -103,7 +113,8 @@ def main() -> int:
     t0 = time.monotonic()
 
     def boot(pod: str, device: int) -> None:
-        cluster.start_pod(pod, env={"CUDA_VISIBLE_DEVICES": str(device)} if gpu else {})
+        env = {ENV_COPY_TRANSPORT: args.copy_transport}
+        cluster.start_pod(pod, env={**env, "CUDA_VISIBLE_DEVICES": str(device)} if gpu else env)
 
     def assign(plan: MeshPlan, pods: list[str]) -> MeshPlan:
         cluster.assign(plan, pods)
@@ -256,52 +267,43 @@ def main() -> int:
             },
         )
         cluster.wait_steps(["a", "c"], at + 4, timeout=600)
-        wait_for(lambda: newest_complete(_checkpoint_root(spec)) is not None, 900, "a complete checkpoint")
+        if args.no_checkpoint_arm:
+            _check_samples(cluster, spec, ["a", "c"], result)
+        else:
+            wait_for(lambda: newest_complete(_checkpoint_root(spec)) is not None, 900, "a complete checkpoint")
 
-        # 4. The same shrink from the newest checkpoint.
-        log("shrink from the checkpoint: SIGKILL of c")
-        killed_at, step_time = kill_inside_step(cluster.pods["c"][0], rng)
-        # As its agent does; the plan follows at once, as in the shrink above: a waiting on a buddy
-        # refresh from the dead c sees no failure of its own before the collective timeout.
-        cluster.kill_pod("c")
-        survivors_step = max(w.last_step() for w in cluster.workers(["a"]))
-        saved = newest_complete(_checkpoint_root(spec))
-        assert saved is not None, "no complete checkpoint to restore"
-        sources = {0: StateSource(rank=0, kind=StateSourceKind.CHECKPOINT, checkpoint_step=saved)}
-        plan = assign(
-            cluster.plan(["a"], resume_step=saved, reason=PlanReason.SHRINK, sources=sources),
-            ["a"],
-        )
-        end = first_step_of(plan.epoch, ["a"])
-        report(
-            "shrink_from_checkpoint",
-            {
-                "kill_to_first_step_s": round(end - killed_at, 3),
-                "step_time_before_s": round(step_time, 3),
-                "steps_redone": survivors_step - saved,
-                "checkpoint_step": saved,
-                "phases_by_pod": phases(plan.epoch, ["a"]),
-            },
-        )
-        cluster.wait_steps(["a"], survivors_step + 2, timeout=600)
+            # 4. The same shrink from the newest checkpoint.
+            log("shrink from the checkpoint: SIGKILL of c")
+            killed_at, step_time = kill_inside_step(cluster.pods["c"][0], rng)
+            # As its agent does; the plan follows at once, as in the shrink above: a waiting on a buddy
+            # refresh from the dead c sees no failure of its own before the collective timeout.
+            cluster.kill_pod("c")
+            survivors_step = max(w.last_step() for w in cluster.workers(["a"]))
+            saved = newest_complete(_checkpoint_root(spec))
+            assert saved is not None, "no complete checkpoint to restore"
+            sources = {0: StateSource(rank=0, kind=StateSourceKind.CHECKPOINT, checkpoint_step=saved)}
+            plan = assign(
+                cluster.plan(["a"], resume_step=saved, reason=PlanReason.SHRINK, sources=sources),
+                ["a"],
+            )
+            end = first_step_of(plan.epoch, ["a"])
+            report(
+                "shrink_from_checkpoint",
+                {
+                    "kill_to_first_step_s": round(end - killed_at, 3),
+                    "step_time_before_s": round(step_time, 3),
+                    "steps_redone": survivors_step - saved,
+                    "checkpoint_step": saved,
+                    "phases_by_pod": phases(plan.epoch, ["a"]),
+                },
+            )
+            cluster.wait_steps(["a"], survivors_step + 2, timeout=600)
 
-        done = min(w.last_step() for w in cluster.workers(["a"]))
-        problems, _, redone = check_history(
-            {k: v for k, v in read_samples(cluster.sample_dir).items() if k[1] < done},
-            done,
-            spec.training.global_batch_size,
-            victims={"b", "c"},
-        )
-        if problems:
-            raise AssertionError(problems)
-        # Losses are not compared across epochs: a step redone at DP 1 after the checkpoint was trained
-        # at DP 2 before, and its loss sums micro-batches in another order.
-        result["samples"] = {"steps_checked": done, "steps_trained_again": redone}
-        print(f"samples: steps 0..{done - 1} each consumed its global batch once; trained again: {redone}")
-        in_memory = result["shrink_in_memory"]["kill_to_first_step_s"]
-        from_checkpoint = result["shrink_from_checkpoint"]["kill_to_first_step_s"]
-        result["shrink_ratio_in_memory_to_checkpoint"] = round(in_memory / from_checkpoint, 3)
-        print(f"shrink in memory / from the checkpoint: {result['shrink_ratio_in_memory_to_checkpoint']}")
+            _check_samples(cluster, spec, ["a"], result)
+            in_memory = result["shrink_in_memory"]["kill_to_first_step_s"]
+            from_checkpoint = result["shrink_from_checkpoint"]["kill_to_first_step_s"]
+            result["shrink_ratio_in_memory_to_checkpoint"] = round(in_memory / from_checkpoint, 3)
+            print(f"shrink in memory / from the checkpoint: {result['shrink_ratio_in_memory_to_checkpoint']}")
     except BaseException:
         print(cluster.logs())
         raise
@@ -314,6 +316,23 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def _check_samples(cluster: WorkerCluster, spec: MegatronJobSpec, pods: list[str], result: dict[str, Any]) -> None:
+    """Every committed step consumed its global batch once (a redone step counts in its final epoch)."""
+    done = min(w.last_step() for w in cluster.workers(pods))
+    problems, _, redone = check_history(
+        {k: v for k, v in read_samples(cluster.sample_dir).items() if k[1] < done},
+        done,
+        spec.training.global_batch_size,
+        victims={"b", "c"},
+    )
+    if problems:
+        raise AssertionError(problems)
+    # Losses are not compared across epochs: a step redone at DP 1 after the checkpoint was trained
+    # at DP 2 before, and its loss sums micro-batches in another order.
+    result["samples"] = {"steps_checked": done, "steps_trained_again": redone}
+    print(f"samples: steps 0..{done - 1} each consumed its global batch once; trained again: {redone}")
 
 
 def _distributed(spec: MegatronJobSpec, args: argparse.Namespace, workdir: Path) -> MegatronJobSpec:

@@ -13,16 +13,24 @@ with its refresh sent but unfinished leaves a copy its survivor salvages (comple
 values); a refresh started once the ward is gone fails with an error the worker takes for a failed
 collective, well within the links' timeout, is not salvaged, and the newest copy before it stays.
 
+On two GPUs or more (skipped elsewhere), the first scenario again with the shards on the GPUs and
+sent over NCCL, in chunks (the worker's transport on GPU), then five refreshes more that must leave
+no GPU memory behind with the cyclic collector off; and a refresh whose ward is gone, ended
+by aborting the communicators as the watchdog does: its empty receives are not taken for a copy.
+
 Every process a test starts is waited for, and killed if it outlives the test.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from worker_harness import run_rank_scripts
 
 from localcluster.cluster import free_port
 from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
+
+GPUS = torch.cuda.device_count()
 
 _DYING_WARD = r"""
 import datetime, json, os, sys, time
@@ -58,22 +66,75 @@ out["steps"] = copies.complete_steps()
 print(json.dumps(out), flush=True)
 """
 
+_ABORTED_WARD = r"""
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+from megatron_trainer.worker.abort import abort_communicators
+from megatron_trainer.worker.buddy_copies import BuddyCopies, exchange_links
+from megatron_trainer.worker.settings import NCCL_DEFAULTS
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ.update(NCCL_DEFAULTS)
+device = torch.device("cuda", rank)
+torch.cuda.set_device(device)
+timeout = datetime.timedelta(seconds=60)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timeout, device_id=device)
+copies = BuddyCopies(rank, 1 - rank, 1 - rank, links=exchange_links(store, rank, 1 - rank, 1 - rank, timeout))
+for step in (1, 2):
+    copies.start_refresh(step, [torch.full((64, 3), float(rank + step), device=device)])
+    copies.finish_refresh()
+if rank == 1:
+    print("{}", flush=True)
+    os._exit(0)  # gone before the refresh of step 3: nothing of it will ever come
+copies.start_refresh(3, [torch.full((64, 3), 20.0, device=device)])
+time.sleep(2)
+out = {"done_before_abort": copies.poll()}
+out["abort_seconds"] = abort_communicators()  # what the worker's watchdog does: the receives end, empty
+out["salvaged"] = copies.salvage(datetime.timedelta(seconds=10))
+try:
+    copies.finish_refresh()
+    out["error"] = None
+except RuntimeError as err:
+    out["error"] = str(err)[:200]
+copies.abandon()
+out["steps"] = copies.complete_steps()
+out["ward_copy_2"] = copies.ward_copy(2)[0][0, 0].item()
+print(json.dumps(out), flush=True)
+os._exit(0)  # the aborted communicators are not destroyed
+"""
+
 _RANK = r"""
-import datetime, json, sys, time
+import datetime, json, os, sys, time
 import torch, torch.distributed as dist
 from megatron_trainer.worker.buddy_copies import BuddyCopies, ward_of
 
+from megatron_trainer.worker import buddy_copies
+from megatron_trainer.worker.buddy_copies import exchange_links
+from megatron_trainer.worker.settings import NCCL_DEFAULTS
+
 rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+backend = sys.argv[4] if len(sys.argv) > 4 else "gloo"
+device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+timeout = datetime.timedelta(seconds=60)
+store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
 buddies = [(r + 1) % world for r in range(world)]
 ward = ward_of(buddies)[rank]
-copies = BuddyCopies(rank, buddies[rank], ward)
+if backend == "nccl":  # as a worker on GPU: the shards over NCCL, their shapes over gloo pair links
+    buddy_copies.CHUNK_ELEMENTS = 16  # shards of several chunks, as many as their sizes make
+    os.environ.update(NCCL_DEFAULTS)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
+    copies = BuddyCopies(rank, buddies[rank], ward, links=exchange_links(store, rank, buddies[rank], ward, timeout))
+else:
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    copies = BuddyCopies(rank, buddies[rank], ward)
 
-def shards(r, step):
+def shards(r, step, on=torch.device("cpu")):
     # Shapes and numbers of shards differ by rank, as at another model-parallel position.
     counting = torch.arange((7 + 2 * r) * 3, dtype=torch.float32).reshape(-1, 3) + r + step
-    return [torch.full((5 + r, 3), 100.0 * r + step), counting] + [torch.full((3, 3), -float(step))] * (r % 2)
+    made = [torch.full((5 + r, 3), 100.0 * r + step), counting] + [torch.full((3, 3), -float(step))] * (r % 2)
+    return [t.to(on) for t in made]
 
 def equal(got, want):
     return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
@@ -83,9 +144,9 @@ def holds(step):
 
 out = {}
 for step in (1, 2):
-    copies.start_refresh(step, shards(rank, step))
+    copies.start_refresh(step, shards(rank, step, device))
     copies.finish_refresh()
-copies.start_refresh(3, shards(rank, 3))
+copies.start_refresh(3, shards(rank, 3, device))
 out["in_flight_steps"] = copies.complete_steps()
 out["in_flight_holds_2"] = holds(2)
 try:
@@ -94,7 +155,7 @@ try:
 except KeyError:
     out["step_3_early"] = "refused"
 try:
-    copies.start_refresh(4, shards(rank, 4))
+    copies.start_refresh(4, shards(rank, 4, device))
     out["second_refresh"] = "started"
 except RuntimeError:
     out["second_refresh"] = "refused"
@@ -110,6 +171,21 @@ try:
     out["step_1"] = "kept"
 except KeyError:
     out["step_1"] = "gone"
+if backend == "nccl":  # a refresh frees its GPU memory when it is done, not when a collector runs
+    import gc
+
+    def allocated():
+        torch.cuda.synchronize()
+        torch.empty(1, device=device)  # the allocator frees blocks whose streams are done at its next call
+        return torch.cuda.memory_allocated()
+
+    gc.disable()
+    before = allocated()
+    for step in range(10, 15):
+        copies.start_refresh(step, shards(rank, step, device))
+        copies.finish_refresh()
+    out["gpu_bytes_kept"] = allocated() - before
+    gc.enable()
 dist.barrier()
 dist.destroy_process_group()
 print(json.dumps(out), flush=True)
@@ -132,6 +208,39 @@ def test_refreshes_keep_two_complete_generations_and_the_previous_one_while_in_f
             "holds_3_and_2": True,
             "step_1": "gone",
         }
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices (a rank and its buddy); this machine has {GPUS}")
+def test_on_gpus_the_shards_go_over_nccl_and_keep_the_same_generations() -> None:
+    world, port = min(GPUS, 4), free_port()
+    results = run_rank_scripts(_RANK, lambda r: [str(r), str(world), str(port), "nccl"], world, timeout=240)
+    for r in results:
+        assert r.pop("gpu_bytes_kept") == 0, "refreshes that were done still hold GPU memory"
+        assert r == {
+            "in_flight_steps": [2],
+            "in_flight_holds_2": True,
+            "step_3_early": "refused",
+            "second_refresh": "refused",
+            "polled_done": True,
+            "steps": [3, 2],
+            "holds_3_and_2": True,
+            "step_1": "gone",
+        }
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices (a rank and its buddy); this machine has {GPUS}")
+def test_on_gpus_a_refresh_ended_by_an_abort_is_not_taken_for_a_copy() -> None:
+    port = free_port()
+    result, gone = run_rank_scripts(_ABORTED_WARD, lambda r: [str(r), str(port)], 2, timeout=240)
+    assert gone == {}
+    assert result["done_before_abort"] is False
+    # The aborted receives ended without data: the copy is refused, the newest whole one stands.
+    assert result["salvaged"] is False and result["error"] is not None and "did not arrive whole" in result["error"]
+    assert result["steps"] == [2] and result["ward_copy_2"] == 3.0
 
 
 def test_bad_buddy_assignments_are_refused() -> None:

@@ -29,7 +29,7 @@ from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault,
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
 from megatron_trainer.worker.peer_restore import buckets, restore_routes
-from megatron_trainer.worker.settings import WorkerSettings
+from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT, WorkerSettings
 from megatron_trainer.worker.verify import StateMismatch, check_step
 
 
@@ -139,6 +139,14 @@ def test_settings_name_what_is_missing() -> None:
         WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"replicas": -1}', wire.ENV_POD_NAME: "p"})
     with pytest.raises(ValueError, match=wire.ENV_POD_NAME):
         WorkerSettings.from_env({wire.ENV_JOB_SPEC: '{"image": "x", "replicas": 1}'})
+
+
+def test_settings_take_the_copy_transport_and_refuse_an_unknown_one() -> None:
+    env = {wire.ENV_JOB_SPEC: '{"image": "x", "replicas": 3}', wire.ENV_POD_NAME: "p"}
+    assert not WorkerSettings.from_env(env).copies_over_gloo
+    assert WorkerSettings.from_env({**env, ENV_COPY_TRANSPORT: "gloo"}).copies_over_gloo
+    with pytest.raises(ValueError, match=ENV_COPY_TRANSPORT):
+        WorkerSettings.from_env({**env, ENV_COPY_TRANSPORT: "tcp"})
 
 
 def test_settings_ignore_spec_fields_of_a_newer_operator() -> None:

@@ -66,6 +66,7 @@ class Worker:
         self.pod = settings.pod
         self.sample_log_dir = settings.sample_log_dir
         self.copy_log_dir = settings.copy_log_dir
+        self.copies_over_gloo = settings.copies_over_gloo
         self.device = rendezvous.device_for(local_rank)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.faults = FaultPlan.from_env()

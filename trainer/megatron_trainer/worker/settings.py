@@ -4,7 +4,8 @@ Set by the agent: ``MEGATRON_JOB_SPEC`` (the full MegatronJobSpec as JSON) and
 ``MEGATRON_POD_NAME``. Optional, for tests and benchmarks: ``MEGATRON_WORKER_SAMPLE_LOG`` (a
 directory; one rank per replica appends the sample indices of every committed step),
 ``MEGATRON_WORKER_COPY_LOG`` (a directory; every rank saves its buddy copies of each refresh and
-its optimizer shards at the step they copy),
+its optimizer shards at the step they copy), ``MEGATRON_WORKER_COPY_TRANSPORT=gloo`` (buddy copies over
+gloo even on GPU, to compare the transports; worker/buddy_copies.py),
 ``MEGATRON_WORKER_FAULTS`` / ``MEGATRON_WORKER_FAULT_LOG`` (see :mod:`megatron_trainer.faults`).
 
 On GPU the worker defaults the NCCL variables in-process recovery needs (a variable already set
@@ -28,6 +29,7 @@ from megatron_contract.job import MegatronJobSpec
 
 ENV_SAMPLE_LOG = "MEGATRON_WORKER_SAMPLE_LOG"
 ENV_COPY_LOG = "MEGATRON_WORKER_COPY_LOG"
+ENV_COPY_TRANSPORT = "MEGATRON_WORKER_COPY_TRANSPORT"
 
 NCCL_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
@@ -45,6 +47,7 @@ class WorkerSettings:
     pod: str
     sample_log_dir: str | None
     copy_log_dir: str | None = None
+    copies_over_gloo: bool = False  # buddy copies over gloo even where NCCL could carry them
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -61,11 +64,15 @@ class WorkerSettings:
         pod = env.get(wire.ENV_POD_NAME)
         if not pod:
             raise ValueError(f"{wire.ENV_POD_NAME} is not set")
+        transport = env.get(ENV_COPY_TRANSPORT, "")
+        if transport not in ("", "gloo", "nccl"):
+            raise ValueError(f"{ENV_COPY_TRANSPORT} is {transport!r}: 'gloo', or 'nccl' (the default on GPU)")
         return cls(
             spec=spec,
             pod=pod,
             sample_log_dir=env.get(ENV_SAMPLE_LOG) or None,
             copy_log_dir=env.get(ENV_COPY_LOG) or None,
+            copies_over_gloo=transport == "gloo",
         )
 
 

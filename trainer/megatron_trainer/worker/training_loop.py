@@ -153,7 +153,11 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     refreshes, 0 when the epoch keeps no copies."""
     pair = buddy_and_ward(plan, worker.rank)
     links = worker.copy_links
-    worker.copies = None if pair is None or links is None else BuddyCopies(worker.rank, *pair, links=links)
+    worker.copies = (
+        None
+        if pair is None or links is None
+        else BuddyCopies(worker.rank, *pair, links=links, over_nccl=not worker.copies_over_gloo)
+    )
     if worker.copies is None or plan.optimizer_state is None or worker.ts is None:
         return 0
     interval = plan.optimizer_state.replica_interval_steps
