@@ -5,7 +5,8 @@ numbers, as at different model-parallel positions): refreshes of steps 1 and 2 f
 step 3 is started (in step 1's buffers) and, while in flight, the complete copy is still that
 of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
 yet a copy and a second refresh is refused; asked without waiting (``poll``), it is done once its
-transfers are; then steps 3 and 2 are kept and step 1 is gone (two generations). Bad buddy
+transfers are; then steps 3 and 2 are kept and step 1 is gone (two generations); the next epoch's
+copies refresh into those host buffers (``recycled``), not new ones. Bad buddy
 assignments are refused without processes.
 
 Two processes on their own gloo pair links, as the training loop makes them: a ward that dies
@@ -171,6 +172,12 @@ try:
     out["step_1"] = "kept"
 except KeyError:
     out["step_1"] = "gone"
+# The next epoch's copies fill these host buffers (same shapes) instead of pinning new ones.
+kept = {t.data_ptr() for own, theirs in copies.buffers() for t in (*own, *theirs)}
+copies = BuddyCopies(rank, buddies[rank], ward, links=copies._links, recycled=copies.buffers())
+copies.start_refresh(20, shards(rank, 20, device))
+copies.finish_refresh()
+out["recycled"] = all(t.data_ptr() in kept for t in (*copies.own(20), *copies.ward_copy(20))) and holds(20)
 if backend == "nccl":  # a refresh frees its GPU memory when it is done, not when a collector runs
     import gc
 
@@ -181,7 +188,7 @@ if backend == "nccl":  # a refresh frees its GPU memory when it is done, not whe
 
     gc.disable()
     before = allocated()
-    for step in range(10, 15):
+    for step in range(21, 26):
         copies.start_refresh(step, shards(rank, step, device))
         copies.finish_refresh()
     out["gpu_bytes_kept"] = allocated() - before
@@ -207,6 +214,7 @@ def test_refreshes_keep_two_complete_generations_and_the_previous_one_while_in_f
             "steps": [3, 2],
             "holds_3_and_2": True,
             "step_1": "gone",
+            "recycled": True,
         }
 
 
@@ -227,6 +235,7 @@ def test_on_gpus_the_shards_go_over_nccl_and_keep_the_same_generations() -> None
             "steps": [3, 2],
             "holds_3_and_2": True,
             "step_1": "gone",
+            "recycled": True,
         }
 
 

@@ -79,6 +79,22 @@ def _side_stream(device: torch.device) -> Any:
     return _SIDE_STREAMS[device]
 
 
+def _fits(
+    buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
+    shards: Sequence[torch.Tensor],
+    ward_shapes: list[torch.Size],
+    pinned: bool,
+) -> bool:
+    """Whether host ``buffers`` (own, ward) can take a refresh of ``shards`` and the ward's."""
+    own, ward = buffers
+    return (
+        [t.shape for t in own] == [s.shape for s in shards]
+        and [t.shape for t in ward] == list(ward_shapes)
+        and all(t.dtype == s.dtype for t, s in zip(own, shards, strict=True))
+        and all(t.is_pinned() == pinned for t in (*own, *ward))
+    )
+
+
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
     """Views of ``flat`` of at most :data:`CHUNK_ELEMENTS` each, in order."""
     return [flat[i : i + CHUNK_ELEMENTS] for i in range(0, flat.numel(), CHUNK_ELEMENTS)]
@@ -162,9 +178,13 @@ class BuddyCopies:
         generations: int = GENERATIONS,
         links: tuple[PairLink, PairLink] | None = None,
         over_nccl: bool = True,
+        recycled: Sequence[tuple[list[torch.Tensor], list[torch.Tensor]]] = (),
     ) -> None:
         """``links``: the connections to the buddy and from the ward (None: the default group);
-        ``over_nccl``: send GPU shards over the world group where it is NCCL (False: over the links)."""
+        ``over_nccl``: send GPU shards over the world group where it is NCCL (False: over the links);
+        ``recycled``: host buffers (own, ward) of the previous epoch's copies (:meth:`buffers`), used
+        by the first refreshes where their shapes fit: pinning a 1 B model's shards anew takes the
+        main thread seconds at every re-mesh."""
         if rank in (buddy, ward):
             raise ValueError(f"rank {rank} cannot keep its own copy (buddy {buddy}, ward {ward})")
         if generations < 2:
@@ -173,6 +193,7 @@ class BuddyCopies:
         self._links = links
         self._over_nccl = over_nccl
         self._limit = generations
+        self._recycled = list(recycled)
         self._generations: list[_Generation] = []  # oldest first
         self._exchange: _Exchange | _DeviceExchange | None = None
         self._lock = threading.Lock()  # the links against abandon(), for the exchange's thread
@@ -192,11 +213,16 @@ class BuddyCopies:
             raise ValueError(f"refresh of step {step} after one of step {self._generations[-1].step}")
         if self._ward_shapes is None:
             self._ward_shapes = self._exchange_shapes(shards)
-        reuse = self._generations.pop(0) if len(self._generations) >= self._limit else None
-        pin = torch.cuda.is_available() and any(s.is_cuda for s in shards)
-        if reuse is not None and [t.shape for t in reuse.own] == [s.shape for s in shards]:
-            own, ward = reuse.own, reuse.ward  # the ward's shapes are the epoch's: only own's may change
+        if len(self._generations) >= self._limit:
+            oldest = self._generations.pop(0)
+            reuse: tuple[list[torch.Tensor], list[torch.Tensor]] | None = (oldest.own, oldest.ward)
         else:
+            reuse = self._recycled.pop() if self._recycled else None
+        pin = torch.cuda.is_available() and any(s.is_cuda for s in shards)
+        if reuse is not None and _fits(reuse, shards, self._ward_shapes, pin):
+            own, ward = reuse
+        else:
+            self._recycled.clear()  # another layout: none of them fits
             own = [torch.empty(s.shape, dtype=s.dtype, pin_memory=pin) for s in shards]
             dtype = shards[0].dtype if shards else torch.float32
             ward = [torch.empty(shape, dtype=dtype, pin_memory=pin) for shape in self._ward_shapes]
@@ -333,6 +359,11 @@ class BuddyCopies:
             raise exchange.errors[0]
         self._exchange = None
         self._generations[-1].complete = True
+
+    def buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The host buffers (own, ward) of the complete copies, for the next epoch's copies to fill
+        (``recycled``) once nothing reads these any more: no copy is in flight into them."""
+        return [(g.own, g.ward) for g in self._generations if g.complete]
 
     def host_bytes(self) -> int:
         """Bytes of host memory the copies hold (every generation, own and ward's)."""

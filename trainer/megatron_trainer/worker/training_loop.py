@@ -153,11 +153,13 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     refreshes, 0 when the epoch keeps no copies."""
     pair = buddy_and_ward(plan, worker.rank)
     links = worker.copy_links
-    worker.copies = (
-        None
-        if pair is None or links is None
-        else BuddyCopies(worker.rank, *pair, links=links, over_nccl=not worker.copies_over_gloo)
-    )
+    # The last epoch's copies are no longer read (the join restored from them): their host buffers
+    # go to this epoch's, as long as their shapes fit.
+    recycled = worker.copies.buffers() if worker.copies is not None else []
+    worker.copies = None
+    if pair is not None and links is not None:
+        over_nccl = not worker.copies_over_gloo
+        worker.copies = BuddyCopies(worker.rank, *pair, links=links, over_nccl=over_nccl, recycled=recycled)
     if worker.copies is None or plan.optimizer_state is None or worker.ts is None:
         return 0
     interval = plan.optimizer_state.replica_interval_steps
