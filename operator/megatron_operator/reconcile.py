@@ -50,6 +50,9 @@ class AgentSignals:
     # of them is corroborated.
     quiet: Collection[str] = ()
     checkpoint_unusable: str | None = None  # a worker's restore gave up: no checkpoint passed verification
+    # With the distributed optimizer, by pod: the steps of the complete host copies of optimizer
+    # shards it holds in the epoch in force (the planner's ``copy_steps``).
+    copy_steps: Mapping[str, Collection[int]] = dataclasses.field(default_factory=dict)
     # What the members of a suspend plan in force said of its checkpoint: (its step once complete, why it failed).
     suspend_outcome: tuple[int | None, str | None] = (None, None)
 
@@ -454,6 +457,7 @@ def _next_plan(
             store_hosts=[h for h in signals.fresh if h not in away],
             previous_trained=status.committed_epoch >= plan.epoch,
             in_memory_optimizer=optimizer_sources.in_memory_restore(spec),
+            copy_steps=signals.copy_steps,
             retry=retry or _abandoned(plan, signals, failed),
             placement=placement,
         )
