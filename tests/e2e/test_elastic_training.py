@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import base64
 import signal
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_support import (
@@ -56,31 +58,13 @@ def test_spare_replaces_a_killed_worker_and_training_completes(
     show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log):
-        submit(local_cluster, namespace, job)
-        status = wait_for_step(local_cluster, namespace, "e2e", 5, 300, show)
-        plan = status["plan"]
-        assert status["epoch"] == 1 and plan["sizes"]["dp"] == 2
-        victim = plan["members"][0]["pod"]
-        step_at_kill = status["step"]
-        process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
-
-        recovered = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "e2e")).get("epoch", 0) >= 2 and s,
-            120,
-            "a new plan after the kill",
-            details=show,
-        )
+        status, recovered = _kill_a_member(local_cluster, process_nodes, namespace, job, show)
+        assert status["epoch"] == 1 and status["plan"]["sizes"]["dp"] == 2
+        victim = status["plan"]["members"][0]["pod"]
         members = [m["pod"] for m in recovered["plan"]["members"]]
         assert victim not in members and recovered["plan"]["sizes"]["dp"] == 2, "the spare should replace the victim"
         assert recovered["plan"]["reason"] == "replace"
-        wait_for(
-            lambda: job_status(local_cluster, namespace, "e2e").get("step", 0) >= step_at_kill + 5,
-            180,
-            "training to continue after the recovery",
-            details=show,
-        )
-        final = wait_for_phase(local_cluster, namespace, "e2e", "Succeeded", 600, show)
-        assert final["recoveries"] == 1 and final["step"] == ITERS, show()
+        _succeeds_after(local_cluster, namespace, status["step"], show)
     # Survivors keep every completed step: none is trained again, and every step took its samples once
     # (the plan's resumeStep is the operator's estimate from lagging reports: the members resume at
     # the newest step they hold, which it may trail).
@@ -149,36 +133,48 @@ def test_a_killed_pod_of_a_distributed_optimizer_job_is_restored_from_its_buddy_
     show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log):
-        submit(local_cluster, namespace, job)
-        status = wait_for_step(local_cluster, namespace, "e2e", 5, 300, show)
+        status, recovered = _kill_a_member(local_cluster, process_nodes, namespace, job, show)
         plan = status["plan"]
         assert plan["optimizerState"]["buddies"] is True, plan["optimizerState"]
         victim = plan["members"][0]["pod"]
         (victim_rank,) = plan["members"][0]["ranks"]
-        step_at_kill = status["step"]
-        process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
-
-        recovered = wait_for(
-            lambda: (s := job_status(local_cluster, namespace, "e2e")).get("epoch", 0) >= 2 and s,
-            120,
-            "a new plan after the kill",
-            details=show,
-        )
         state = recovered["plan"]["optimizerState"]
         assert recovered["plan"]["reason"] == "replace" and state["source"] == "self", state
         from_buddy = [c for c in state.get("copies", []) if c["previousRank"] == victim_rank]
         assert len(from_buddy) == 1 and from_buddy[0]["buddy"] is True, state
         assert from_buddy[0]["holderPod"] != victim, state
-        wait_for(
-            lambda: job_status(local_cluster, namespace, "e2e").get("step", 0) >= step_at_kill + 5,
-            180,
-            "training to continue after the recovery",
-            details=show,
-        )
-        final = wait_for_phase(local_cluster, namespace, "e2e", "Succeeded", 600, show)
-        assert final["recoveries"] == 1 and final["step"] == ITERS, show()
+        _succeeds_after(local_cluster, namespace, status["step"], show)
     problems, _history, redone = check_history(read_samples(samples), ITERS, GLOBAL_BATCH, victims={victim})
     # The plan may go back to the copy's step: the steps after it (with a refresh every step, the
     # one whose refresh the kill beat, and the one the survivor was in) are trained again, their
     # samples once in the end.
     assert problems == [] and len(redone) <= 2, (problems, redone, state)
+
+
+def _kill_a_member(
+    cluster: LocalCluster, nodes: NodeAgent, namespace: str, job: dict[str, Any], show: Callable[[], str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Submit ``job``, let it train 5 steps and SIGKILL its first member's pod: the job's status at
+    the kill, and once the plan that follows is in it."""
+    submit(cluster, namespace, job)
+    status = wait_for_step(cluster, namespace, "e2e", 5, 300, show)
+    nodes.kill_pod_process(namespace, status["plan"]["members"][0]["pod"], signal.SIGKILL)
+    recovered = wait_for(
+        lambda: (s := job_status(cluster, namespace, "e2e")).get("epoch", 0) >= 2 and s,
+        120,
+        "a new plan after the kill",
+        details=show,
+    )
+    return status, recovered
+
+
+def _succeeds_after(cluster: LocalCluster, namespace: str, step_at_kill: int, show: Callable[[], str]) -> None:
+    """Training goes on past the step of the kill and the job succeeds with that one recovery."""
+    wait_for(
+        lambda: job_status(cluster, namespace, "e2e").get("step", 0) >= step_at_kill + 5,
+        180,
+        "training to continue after the recovery",
+        details=show,
+    )
+    final = wait_for_phase(cluster, namespace, "e2e", "Succeeded", 600, show)
+    assert final["recoveries"] == 1 and final["step"] == ITERS, show()
