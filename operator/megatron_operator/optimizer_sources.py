@@ -121,21 +121,26 @@ def optimizer_sources(
                 found.append((held, is_buddy))
         return found
 
-    # Nothing redone: GPUs where they survive, buddies' copies of the survivors' step elsewhere.
-    holders: list[int] = []
-    copies: list[ShardCopy] = []
-    for old_rank in range(prev_sizes.world):
-        if old_rank in gpu:
-            holders.append(gpu[old_rank].rank)
-            continue
-        found = copies_of(old_rank, survivors_step)
-        if not found:
-            break
-        held, is_buddy = found[0]
-        holders.append(held.rank)
-        copies.append(_copy(old_rank, held, is_buddy, survivors_step))
-    else:
-        return _in_memory(sizes, prev_sizes, interval_steps, buddies, holders, copies, 0, in_memory, survivors_step)
+    # Nothing redone: GPUs where they survive, buddies' copies elsewhere of the survivors' step, or of
+    # a newer one: the survivors' step comes from lagging reports, and a complete copy of step s means
+    # every rank completed s (with a refresh every step, the copies are usually ahead of the reports).
+    # The trainers agree on the newest step every named holder can give (worker/shard_restore.py).
+    newer = sorted({s for s in _all_steps(copy_steps) if s > survivors_step}, reverse=True)
+    for at in [*newer, survivors_step]:
+        holders: list[int] = []
+        copies: list[ShardCopy] = []
+        for old_rank in range(prev_sizes.world):
+            if old_rank in gpu:
+                holders.append(gpu[old_rank].rank)
+                continue
+            found = copies_of(old_rank, at)
+            if not found:
+                break
+            held, is_buddy = found[0]
+            holders.append(held.rank)
+            copies.append(_copy(old_rank, held, is_buddy, at))
+        else:
+            return _in_memory(sizes, prev_sizes, interval_steps, buddies, holders, copies, 0, in_memory, at)
 
     # Redo the steps since the newest copy every shard has (owners' snapshots or buddies' copies).
     steps = sorted({s for s in _all_steps(copy_steps) if s < survivors_step}, reverse=True)

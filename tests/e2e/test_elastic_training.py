@@ -154,10 +154,16 @@ def test_a_killed_pod_of_a_distributed_optimizer_job_is_restored_from_its_buddy_
 def _kill_a_member(
     cluster: LocalCluster, nodes: NodeAgent, namespace: str, job: dict[str, Any], show: Callable[[], str]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Submit ``job``, let it train 5 steps and SIGKILL its first member's pod: the job's status at
-    the kill, and once the plan that follows is in it."""
+    """Submit ``job``, let it train 5 steps with its spare ready, and SIGKILL its first member's
+    pod: the job's status at the kill, and once the plan that follows is in it."""
     submit(cluster, namespace, job)
-    status = wait_for_step(cluster, namespace, "e2e", 5, 300, show)
+    wait_for_step(cluster, namespace, "e2e", 5, 300, show)
+    status = wait_for(
+        lambda: (s := job_status(cluster, namespace, "e2e")).get("sparesReady", 0) >= 1 and s,
+        120,
+        "the spare to be ready",
+        details=show,
+    )
     nodes.kill_pod_process(namespace, status["plan"]["members"][0]["pod"], signal.SIGKILL)
     recovered = wait_for(
         lambda: (s := job_status(cluster, namespace, "e2e")).get("epoch", 0) >= 2 and s,

@@ -102,6 +102,21 @@ def test_a_replaced_pod_takes_its_shards_from_its_buddies_copies() -> None:
     assert {s.kind for s in new.sources()} == {StateSourceKind.SELF, StateSourceKind.PEER}  # parameters
 
 
+def test_copies_newer_than_the_lagging_reports_are_taken_with_nothing_redone() -> None:
+    spec = distributed_spec(replicas=2, spares=1, tp=2, gpus_per_pod=2)
+    pods = make_pod_refs(3)
+    plan = _initial(spec, pods[:2])
+    # The reports said step 20; copies of steps 22 and 21 are complete since (a refresh every step).
+    new = _replace(spec, plan, pods, ["p0"], {"p1": [22, 21]})
+    state = new.optimizer_state
+    assert state is not None and state.source is OptimizerSourceKind.SELF
+    assert new.resume_step == 22 and state.steps_redone == 0
+    assert [(c.previous_rank, c.holder_pod, c.buddy, c.step) for c in state.copies] == [
+        (0, "p1", True, 22),
+        (1, "p1", True, 22),
+    ]
+
+
 def test_copies_a_step_behind_redo_that_step_for_every_rank() -> None:
     spec = distributed_spec(replicas=2, spares=1, tp=2, gpus_per_pod=2)
     pods = make_pod_refs(3)
