@@ -117,9 +117,9 @@ def plain_rank_main(argv: list[str]) -> int:
     parser.add_argument("--channel-fd", type=int, required=True)
     args = parser.parse_args(argv)
 
-    from megatron_trainer.worker.settings import apply_nccl_defaults
+    from megatron_trainer.worker.settings import apply_process_defaults
 
-    apply_nccl_defaults()  # the worker's NCCL environment, so only the worker machinery differs
+    apply_process_defaults()  # the worker's environment, so only the worker machinery differs
     import warnings
     from datetime import timedelta
 

@@ -29,7 +29,14 @@ from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault,
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
 from megatron_trainer.worker.peer_restore import buckets, restore_routes
-from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT, WorkerSettings
+from megatron_trainer.worker.settings import (
+    ENV_ALLOC_CONF,
+    ENV_COPY_TRANSPORT,
+    NCCL_DEFAULTS,
+    PINNED_ALLOC_CONF,
+    WorkerSettings,
+    apply_process_defaults,
+)
 from megatron_trainer.worker.verify import StateMismatch, check_step
 
 
@@ -147,6 +154,18 @@ def test_settings_take_the_copy_transport_and_refuse_an_unknown_one() -> None:
     assert WorkerSettings.from_env({**env, ENV_COPY_TRANSPORT: "gloo"}).copies_over_gloo
     with pytest.raises(ValueError, match=ENV_COPY_TRANSPORT):
         WorkerSettings.from_env({**env, ENV_COPY_TRANSPORT: "tcp"})
+
+
+def test_process_defaults_keep_what_is_set_and_add_the_pinned_memory_options() -> None:
+    env: dict[str, str] = {"NCCL_NVLS_ENABLE": "1"}
+    apply_process_defaults(env)
+    assert env == {**NCCL_DEFAULTS, "NCCL_NVLS_ENABLE": "1", ENV_ALLOC_CONF: PINNED_ALLOC_CONF}
+    env = {ENV_ALLOC_CONF: "expandable_segments:True"}
+    apply_process_defaults(env)
+    assert env[ENV_ALLOC_CONF] == f"expandable_segments:True,{PINNED_ALLOC_CONF}"
+    env = {ENV_ALLOC_CONF: "pinned_use_background_threads:True"}  # the user's pinned options win
+    apply_process_defaults(env)
+    assert env[ENV_ALLOC_CONF] == "pinned_use_background_threads:True"
 
 
 def test_settings_ignore_spec_fields_of_a_newer_operator() -> None:

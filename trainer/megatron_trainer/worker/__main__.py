@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from megatron_trainer.worker.settings import WorkerSettings, apply_nccl_defaults
+from megatron_trainer.worker.settings import WorkerSettings, apply_process_defaults
 
 
 def failure_detail(err: BaseException) -> str:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("megatron").setLevel(logging.WARNING)  # megatron logs its whole config at INFO
-    apply_nccl_defaults()  # before torch touches NCCL
+    apply_process_defaults()  # before torch touches CUDA or NCCL
 
     import warnings
 
