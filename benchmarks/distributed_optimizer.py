@@ -7,10 +7,12 @@ distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`
 
 1. steady: ``--rounds`` rounds of an epoch without buddy copies and one with copies for each of
    ``--steady-intervals`` (refreshed every so many steps; default ``--replica-interval``), switched
-   at step boundaries, ``--steps`` steps each (a whole number of intervals, more when an interval
-   needs it): the wall time per step of each (an epoch's first ``SKIP`` steps left out; it
-   includes what a refresh blocks between steps, which the workers' own step time does not) and
-   the copies' overhead at each interval;
+   at step boundaries, ``--steps`` timed steps each (a whole number of intervals, more when an
+   interval needs it): the wall time per step of each and the copies' overhead at each interval. An
+   epoch's first ``SKIP`` steps and its first refresh are left out: they are paid once an epoch (the
+   first step's own costs; the first refresh also connects the pair's transfers), and are printed
+   from the workers' logs with where each refresh's time went (worker/refresh_times.py). The wall
+   time includes what a refresh blocks between steps, which the workers' own step time does not;
 2. shrink in memory: b is SIGKILLed mid-step; a goes on alone (DP 2 -> 1) with its own shard and
    the copy of b's it keeps, as the operator's planner says with in-memory restore on: kill -> a's
    first step, and the steps redone;
@@ -20,7 +22,9 @@ distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`
 4. shrink from the checkpoint, for comparison: c is SIGKILLed mid-step and a reloads the newest
    checkpoint (the plan without in-memory restore): kill -> first step, and the steps redone.
 
-Then every step's samples are checked (each committed step exactly its global batch; a redone step
+Before the workers start, the rate of a pinned device-to-host copy is measured on one GPU alone and
+on both at once: the refreshes' copies into host memory are bound by it. Then every step's samples
+are checked (each committed step exactly its global batch; a redone step
 counts in its final epoch). Prints and writes the figures, with each epoch's phase times.
 
     python benchmarks/distributed_optimizer.py --gpus 2 --out benchmarks/results/distributed_optimizer_2xH200.json
@@ -58,13 +62,13 @@ from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
 from megatron_trainer.worker.checkpoint_files import newest_complete  # noqa: E402
 from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT  # noqa: E402
 
-SKIP = 2  # an epoch's first steps: the first step's own costs, the first refresh's pinned buffers
+SKIP = 2  # an epoch's first steps: the first step's own costs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="steps of each steady epoch")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps of each steady epoch")
     parser.add_argument("--replica-interval", type=int, default=1, help="replicaIntervalSteps")
     parser.add_argument(
         "--steady-intervals",
@@ -96,8 +100,8 @@ def main() -> int:
     if args.gpus < 2 or args.global_batch % 2:
         parser.error("needs 2 GPUs (or CPU processes) and an even --global-batch")
     intervals = args.steady_intervals or [args.replica_interval]
-    if min(intervals) < 1 or args.steps <= SKIP:
-        parser.error(f"intervals are at least 1 and --steps more than {SKIP}")
+    if min(intervals) < 1 or args.steps < 1:
+        parser.error("intervals and --steps are at least 1")
     gpu = torch.cuda.is_available()
     if gpu and torch.cuda.device_count() < 2:
         parser.error(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
@@ -111,6 +115,9 @@ def main() -> int:
     cluster = WorkerCluster(spec, workdir)
     result: dict[str, Any] = {"args": vars(args)}
     t0 = time.monotonic()
+    if gpu:
+        result["host_copy_gb_per_s"] = rates = host_copy_rates()
+        print(f"pinned device-to-host copies: {json.dumps(rates)}", flush=True)
 
     def boot(pod: str, device: int) -> None:
         env = {ENV_COPY_TRANSPORT: args.copy_transport}
@@ -168,6 +175,7 @@ def main() -> int:
         walls: dict[str, list[float]] = {k: [] for k in kinds}
         memory: dict[str, list[int]] = {}  # the peak memory used on each GPU (MiB), by arm
         windows: dict[str, list[tuple[int, int]]] = {k: [] for k in kinds}  # steps whose boundaries were timed
+        arms: list[tuple[str, int]] = []  # (kind, epoch) of each steady epoch
         for _ in range(args.rounds):
             for kind, interval in zip(kinds, [0, *intervals], strict=True):
                 start = boundary(["a", "b"], 2)
@@ -176,16 +184,24 @@ def main() -> int:
                     state = plan.optimizer_state.model_copy(update={"replica_interval_steps": interval})
                     plan = plan.model_copy(update={"optimizer_state": state})
                 assign(plan, ["a", "b"])
-                measured = -(-(args.steps - SKIP) // max(interval, 1)) * max(interval, 1)  # whole intervals
-                cluster.wait_steps(["a", "b"], start + SKIP, timeout=900)
+                measured = -(-args.steps // max(interval, 1)) * max(interval, 1)  # whole intervals
+                # The first refresh starts within an interval and ends by the next step boundary.
+                warm = start + SKIP + (interval + 1 if interval else 0)
+                cluster.wait_steps(["a", "b"], warm, timeout=900)
                 began = time.monotonic()
                 with GpuMemory() as used:
-                    cluster.wait_steps(["a", "b"], start + SKIP + measured, timeout=900)
+                    cluster.wait_steps(["a", "b"], warm + measured, timeout=900)
                 walls[kind].append((time.monotonic() - began) / measured)
-                windows[kind].append((start + SKIP, start + SKIP + measured - 1))
+                windows[kind].append((warm, warm + measured - 1))
+                arms.append((kind, plan.epoch))
                 memory[kind] = [max(m, u) for m, u in zip(memory.get(kind, used.peak), used.peak, strict=True)]
                 medians[kind].append(statistics.median(step_times(plan.epoch, ["a", "b"])))
                 log(f"steady epoch {plan.epoch} ({kind}): {walls[kind][-1]:.3f} s a step (wall)")
+        # The failure below finds copies every --replica-interval steps (the spec's); the switch also
+        # ends the last steady epoch, whose workers then log its refreshes' times.
+        start = boundary(["a", "b"], 2)
+        plan = assign(cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=True), ["a", "b"])
+        cluster.wait_steps(["a", "b"], start + SKIP, timeout=900)
         without = statistics.median(walls["none"])
         # A checkpoint save holds its step (with this optimizer ~a minute at 1 B): an arm whose timed
         # steps include one measures the save, not the copies.
@@ -208,15 +224,14 @@ def main() -> int:
                 "epoch_median_step_time_s": medians,  # the step alone, without the refresh around it
                 "gpu_memory_used_mib_peak": memory,  # nvidia-smi, per GPU; empty on CPU
                 "checkpoint_saves_timed": {k: v for k, v in spoilt.items() if v},
+                # per epoch with copies and pod: the first refresh's times, the others' medians
+                "refresh_times": {
+                    f"{kind} (epoch {epoch})": {pod: refresh_times(pod_log(pod), epoch) for pod in ("a", "b")}
+                    for kind, epoch in arms
+                    if kind != "none"
+                },
             },
         )
-        # The failure below finds copies every --replica-interval steps (the spec's).
-        if intervals[-1] != args.replica_interval:
-            start = boundary(["a", "b"], 2)
-            plan = assign(
-                cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=True), ["a", "b"]
-            )
-            cluster.wait_steps(["a", "b"], start + SKIP, timeout=900)
         cluster.wait_steps(["a", "b"], boundary(["a", "b"], 2), timeout=300)
 
         # 2. Shrink in memory: b dies, a takes b's shard from the copy it keeps.
@@ -316,6 +331,46 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def refresh_times(log: str, epoch: int) -> dict[str, dict[str, float]]:
+    """From a worker's log: ``epoch``'s first refresh's times and the medians of the others'."""
+    found = re.search(rf"epoch {epoch} rank \d+: buddy copies: \d+ refreshes; the first \(step \d+\): (.*)", log)
+    if found is None:
+        return {}
+    first, _, rest = found[1].partition("; the others' medians ")
+
+    def fields(text: str) -> dict[str, float]:
+        return {k: float(v) for k, v in (kv.split("=") for kv in text.split() if "=" in kv)}
+
+    return {"first": fields(first), "others": fields(rest.partition(": ")[2])} if rest else {"first": fields(first)}
+
+
+def host_copy_rates(gib: float = 2.0, repeats: int = 3) -> dict[str, float]:
+    """GB/s of a pinned device-to-host copy of ``gib`` GiB: one GPU alone, and each of the first two
+    GPUs copying at once (the best of ``repeats``); the memory is given back after."""
+    n = int(gib * (1 << 30)) // 4
+    devices = [torch.device("cuda", i) for i in range(2)]
+    sources = [torch.ones(n, device=d) for d in devices]
+    targets = [torch.empty(n, pin_memory=True) for _ in devices]
+
+    def rate(count: int) -> float:
+        for d in devices:
+            torch.cuda.synchronize(d)
+        began = time.perf_counter()
+        for source, target in zip(sources[:count], targets[:count], strict=True):
+            target.copy_(source, non_blocking=True)
+        for d in devices[:count]:
+            torch.cuda.synchronize(d)
+        return n * 4 / (time.perf_counter() - began) / 1e9
+
+    rate(2)  # warm-up: the first copy maps the pinned pages
+    result = {"one_gpu_alone": max(rate(1) for _ in range(repeats)), "each_of_two_at_once": 0.0}
+    result["each_of_two_at_once"] = max(rate(2) for _ in range(repeats))
+    sources.clear()
+    targets.clear()
+    torch.cuda.empty_cache()
+    return {k: round(v, 2) for k, v in result.items()}
 
 
 def _check_samples(cluster: WorkerCluster, spec: MegatronJobSpec, pods: list[str], result: dict[str, Any]) -> None:

@@ -105,6 +105,39 @@ print(json.dumps(out), flush=True)
 os._exit(0)  # the aborted communicators are not destroyed
 """
 
+_ASSEMBLED_BESIDE = r"""
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+from megatron_trainer.worker.buddy_copies import BuddyCopies, exchange_links
+from megatron_trainer.worker.settings import NCCL_DEFAULTS
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ.update(NCCL_DEFAULTS)
+device = torch.device("cuda", rank)
+torch.cuda.set_device(device)
+timeout = datetime.timedelta(seconds=60)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timeout, device_id=device)
+copies = BuddyCopies(rank, 1 - rank, 1 - rank, links=exchange_links(store, rank, 1 - rank, 1 - rank, timeout))
+state = torch.zeros(1 << 20, 3, device=device)  # the optimizer's state, as the step leaves it
+out = {}
+for step in (1, 2, 3):
+    torch.cuda._sleep(50_000_000)  # the step's last kernels, still running
+    state.fill_(10 * rank + step)  # its update
+    def assemble():
+        torch.cuda._sleep(200_000_000)  # a slow read (on the side stream)
+        return [state * 1.0]
+    shards = copies.assemble(assemble, device)
+    copies.hold_update(device)  # as the next step's update does
+    state.fill_(-1.0)  # the next update: after the read, though queued while it runs
+    copies.start_refresh(step, shards)
+    copies.finish_refresh()
+    out[step] = [copies.own(step)[0].unique().tolist(), copies.ward_copy(step)[0].unique().tolist()]
+out["steps"] = copies.complete_steps()
+copies.abandon()
+print(json.dumps(out), flush=True)
+"""
+
 _RANK = r"""
 import datetime, json, os, sys, time
 import torch, torch.distributed as dist
@@ -244,6 +277,19 @@ def test_on_gpus_a_refresh_ended_by_an_abort_is_not_taken_for_a_copy() -> None:
     # The aborted receives ended without data: the copy is refused, the newest whole one stands.
     assert result["salvaged"] is False and result["error"] is not None and "did not arrive whole" in result["error"]
     assert result["steps"] == [2] and result["ward_copy_2"] == 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices (a rank and its buddy); this machine has {GPUS}")
+def test_on_gpus_the_shards_assembled_beside_the_step_are_the_steps_state() -> None:
+    port = free_port()
+    results = run_rank_scripts(_ASSEMBLED_BESIDE, lambda r: [str(r), str(port)], 2, timeout=240)
+    for rank, r in enumerate(results):
+        # The assembly read the update queued before it, not the one queued after it.
+        for step in (1, 2, 3):
+            assert r[str(step)] == [[10.0 * rank + step], [10.0 * (1 - rank) + step]], (rank, step, r)
+        assert r["steps"] == [3, 2]
 
 
 def test_bad_buddy_assignments_are_refused() -> None:

@@ -29,6 +29,7 @@ ward's copy having arrived: no completed step is lost.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,16 @@ def test_every_step_each_ward_copy_is_its_wards_shard_and_losses_are_unchanged(
         line = f"buddy copies every 1 steps, sent to rank {buddy}, kept for rank {ward}: host memory"
         text = worker.log_path.read_text()
         assert line in text and f"({2 * snapshot} bytes) for 2 generations" in text, worker.name
+        # As the epoch ends, where its refreshes spent their time: own snapshot and ward's copy, each
+        # the snapshot's size here (the ward sits at the same model-parallel position in these meshes
+        # with one pipeline stage).
+        times = re.search(r"epoch 1 rank \d+: buddy copies: (\d+) refreshes; the first \(step 1\): (.*)", text)
+        assert times is not None, worker.name
+        assert int(times[1]) == TRAIN_ITERS, worker.name
+        fields = dict(kv.split("=") for kv in times[2].split("; the others")[0].split())
+        assert float(fields["host_s"]) > 0 and float(fields["exchange_s"]) > 0, fields
+        if plan.sizes.pp == 1:
+            assert int(fields["bytes_to_host"]) == 2 * snapshot, fields
 
 
 def test_a_new_epoch_at_a_step_boundary_starts_fresh_copies_every_interval(

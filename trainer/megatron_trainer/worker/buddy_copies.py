@@ -18,10 +18,15 @@ when the plan asks for buddies. Two transports:
 - **On GPU (the epoch's world group is NCCL)** the shards go GPU to GPU over NCCL, the link a job's
   collectives already use (NVLink, InfiniBand): batched sends and receives on the world group,
   enqueued on the side stream in chunks of at most :data:`CHUNK_ELEMENTS`; each received chunk is
-  copied from a GPU staging buffer of that size to the ward's pinned host copy. Nothing waits on
-  the host: the refresh is done when a CUDA event at the end of the side stream is. On 2xH100 with
-  a 1.1 B-parameter GPT (6.6 GB shards) a refresh every 4 steps cost +269 % over gloo and +3 %
-  over NCCL; the copies to host memory, on the copy engines, now bound it. The world group
+  copied from a GPU staging buffer of that size to the ward's pinned host copy. The flat shards
+  are assembled on the side stream too (:meth:`BuddyCopies.assemble`), beside the next step's
+  compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
+  Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
+  is. On 2xH100 with a 1.1 B-parameter GPT (6.6 GB shards, 13.4 GB into host memory per refresh at
+  ~40 GB/s) a refresh keeps the side stream 0.36 s (assembly 0.03 s, own snapshot 0.14 s, exchange
+  and the ward's copy 0.19 s) and cost +1.0 % of the step time every 4 steps, +9.0 % every step
+  (the step itself slows: the side stream is busy for most of a 0.39 s step); over gloo, every 4
+  steps cost +269 %. The world group
   carries no per-step collective, so the transfers wait for nothing of the step's. A sender ends
   its transfers with a token (the step); the receiver counts the copy complete only when the token
   arrived: after a communicator abort (a peer died) the pending receives end without data, and the
@@ -51,6 +56,7 @@ import torch.distributed as dist
 
 from megatron_contract.host_memory import BUDDY_GENERATIONS
 from megatron_contract.mesh import MeshPlan
+from megatron_trainer.worker.refresh_times import RefreshLog, RefreshTimes, Stamp, seconds
 
 #: Generations kept: the newest complete copy survives a refresh in flight.
 GENERATIONS = BUDDY_GENERATIONS
@@ -122,6 +128,7 @@ class _Exchange:
     received: threading.Event = dataclasses.field(default_factory=threading.Event)  # the ward's copy arrived
     done: threading.Event = dataclasses.field(default_factory=threading.Event)  # every transfer ended
     errors: list[RuntimeError] = dataclasses.field(default_factory=list)
+    exchange_s: float | None = None  # the transfers' time, once done
 
 
 class _Ended:
@@ -150,6 +157,7 @@ class _DeviceExchange:
 
     def __init__(self, step: int, end: Any, token: torch.Tensor, keep: list[Any]) -> None:
         self.step, self._token, self._keep = step, token, keep  # keep: the transfers' tensors, until done
+        self.end = end
         self.done = _Ended(end)
         # No reference back to self (a bound method would make a cycle, which only the cyclic
         # collector frees: the shards' GPU memory then outlived the refresh, ~a copy each refresh).
@@ -200,11 +208,36 @@ class BuddyCopies:
         self._closed = False
         self._ward_shapes: list[torch.Size] | None = None  # learnt at the first refresh
         self._stream: Any = None  # the side stream of the copies to host memory (GPU shards)
+        self.times = RefreshLog()  # the finished refreshes' times
+        self._timing: tuple[RefreshTimes, list[Any]] | None = None  # the refresh in flight's, its events
+        self._reads: Any = None  # the side stream's event after its assembly read the optimizer's state
 
-    def start_refresh(self, step: int, shards: Sequence[torch.Tensor]) -> None:
+    def assemble(self, make: Callable[[], Sequence[torch.Tensor]], device: torch.device) -> Sequence[torch.Tensor]:
+        """The shards of the next refresh, from ``make`` (which reads the optimizer's state). On GPU it
+        runs on the side stream, after what the current stream has queued, so the next step's compute
+        need not wait for it; the optimizer's next update must then wait (:meth:`hold_update`)."""
+        if device.type != "cuda":
+            return make()
+        self._stream = self._stream or _side_stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            shards = make()
+        self._reads = torch.cuda.Event(enable_timing=True)
+        self._reads.record(self._stream)
+        return shards
+
+    def hold_update(self, device: torch.device) -> None:
+        """Before the optimizer updates its state: the current stream waits (on the GPU, the host does
+        not) until the assembly of :meth:`assemble` has read it."""
+        if self._reads is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self._reads)
+        self._reads = None
+
+    def start_refresh(self, step: int, shards: Sequence[torch.Tensor], began: Stamp | None = None) -> None:
         """Copy ``shards`` (this rank's, after ``step`` steps; the caller's to give up, the copy may
         still read them) to host memory and start exchanging: every rank of the world calls this for
-        the same step (sends and receives pair up)."""
+        the same step (sends and receives pair up). ``began``: when the caller started assembling
+        ``shards`` (for :attr:`times`)."""
         if self._exchange is not None:
             raise RuntimeError(f"rank {self.rank}: a refresh is still in flight")
         if self._closed:
@@ -219,6 +252,9 @@ class BuddyCopies:
         else:
             reuse = self._recycled.pop() if self._recycled else None
         pin = torch.cuda.is_available() and any(s.is_cuda for s in shards)
+        device = next((s.device for s in shards if s.is_cuda), None) if pin else None
+        began = began or Stamp(device)
+        assembled = self._reads if self._reads is not None else Stamp(device).event
         if reuse is not None and _fits(reuse, shards, self._ward_shapes, pin):
             own, ward = reuse
         else:
@@ -231,9 +267,16 @@ class BuddyCopies:
             for host, shard in zip(own, shards, strict=True):
                 host.copy_(shard)
         self._generations.append(_Generation(step, own, ward))
+        to_host = sum(t.numel() * t.element_size() for t in (*own, *ward))
+        times = RefreshTimes(step=step, bytes_to_host=to_host, host_s=0.0)
         if pin and self._over_nccl and dist.is_initialized() and dist.get_backend() == "nccl":
-            self._exchange = self._send_on_device(step, shards, ward)
+            device_exchange = self._send_on_device(step, shards, ward)
+            self._exchange = device_exchange
+            times.host_s = time.perf_counter() - began.host
+            self._timing = (times, [began.event, assembled, copied, device_exchange.end])
             return
+        times.host_s = time.perf_counter() - began.host
+        self._timing = (times, [began.event, assembled, copied, None])
         self._exchange = exchange = _Exchange()
         threading.Thread(
             target=self._transfer, args=(exchange, copied, own, ward), name="buddy-copies", daemon=True
@@ -265,7 +308,7 @@ class BuddyCopies:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             token.copy_(theirs, non_blocking=True)
-            end = torch.cuda.Event()
+            end = torch.cuda.Event(enable_timing=True)
             end.record(self._stream)
         return _DeviceExchange(step, end, token, [sends, staging, mine, theirs])
 
@@ -280,7 +323,7 @@ class BuddyCopies:
             for host, shard in zip(own, shards, strict=True):
                 host.copy_(shard, non_blocking=True)
                 shard.record_stream(self._stream)  # its memory is not reused before the copy is done
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(self._stream)
         return event
 
@@ -290,6 +333,7 @@ class BuddyCopies:
         try:
             if copied is not None:
                 copied.synchronize()  # the snapshot is whole before it is sent
+            began = time.perf_counter()
             with self._lock:
                 if self._closed:
                     raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
@@ -300,6 +344,7 @@ class BuddyCopies:
             exchange.received.set()
             for request in sends:
                 request.wait()
+            exchange.exchange_s = time.perf_counter() - began
         except RuntimeError as err:
             exchange.errors.append(err)
         finally:
@@ -340,9 +385,12 @@ class BuddyCopies:
         exchange = self._exchange
         if exchange is None:
             return
+        began = time.perf_counter()
         while not exchange.done.wait(_STOP_POLL_SECONDS):
             if stop is not None and stop():
                 raise RuntimeError(f"rank {self.rank}: refresh of step {self._generations[-1].step} interrupted")
+        if self._timing is not None:
+            self._timing[0].waited_s = time.perf_counter() - began
         self._settle(exchange)
 
     def poll(self) -> bool:
@@ -359,6 +407,17 @@ class BuddyCopies:
             raise exchange.errors[0]
         self._exchange = None
         self._generations[-1].complete = True
+        if self._timing is not None:
+            times, (began, assembled, copied, end) = self._timing
+            self._timing = None
+            times.assemble_s = seconds(began, assembled)
+            times.own_copy_s = seconds(assembled, copied)
+            if isinstance(exchange, _Exchange):
+                times.exchange_s = exchange.exchange_s
+            else:
+                times.exchange_s = seconds(copied, end)
+                times.total_s = seconds(began, end)
+            self.times.add(times)
 
     def buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The host buffers (own, ward) of the complete copies, for the next epoch's copies to fill
@@ -378,7 +437,7 @@ class BuddyCopies:
         exchange = self._exchange
         if exchange is None or not exchange.received.wait(timeout.total_seconds()):
             return False  # none in flight, or not all arrived: the ward died or hung before sending
-        self._exchange = None
+        self._exchange = self._timing = None
         self._generations[-1].complete = True
         return True
 
@@ -389,7 +448,7 @@ class BuddyCopies:
         with self._lock:
             self._links = None
             self._closed = True
-        self._exchange = None
+        self._exchange = self._timing = None
         if self._generations and not self._generations[-1].complete:
             self._generations.pop()
 

@@ -203,12 +203,13 @@ class EpochJoin:
             # loop, make every DP replica start from DP rank 0's weights.
             sync_initial_weights(self.ts)
         worker.held = None
-        guard_commit(
-            self.ts,
-            worker.aborted.is_set,
-            worker.device,
-            lambda s: worker.faults.maybe_fire(plan.epoch, worker.rank, s, InjectionPoint.BEFORE_UPDATE),
-        )
+
+        def before_update(step: int) -> None:
+            worker.faults.maybe_fire(plan.epoch, worker.rank, step, InjectionPoint.BEFORE_UPDATE)
+            if worker.copies is not None:  # a refresh's assembly reads the state the update writes
+                worker.copies.hold_update(worker.device)
+
+        guard_commit(self.ts, worker.aborted.is_set, worker.device, before_update)
         self.phases["rebuild"] = time.perf_counter() - t
         self.phases.update({f"rebuild_{k}": v for k, v in self.ts.build_seconds.items()})
 

@@ -36,6 +36,7 @@ from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, TokenSource
 from megatron_trainer.worker.lifecycle import WorkerState, check_transition
 from megatron_trainer.worker.model import HeldState, TrainState, build_train_state, detach_state
+from megatron_trainer.worker.optimizer_shards import ShardPieces
 from megatron_trainer.worker.settings import WorkerSettings
 from megatron_trainer.worker.step import RefusedStep, train_step
 from megatron_trainer.worker.watchdog import GLOO_FLOOR_SECONDS, PeerActivity, ProgressMarks, StepLimit
@@ -107,6 +108,7 @@ class Worker:
         self.copy_links: tuple[PairLink, PairLink] | None = None  # the epoch's, to the buddy and from the ward
         # The buddy copies of the epoch being trained, or of the last one (complete copies only).
         self.copies: BuddyCopies | None = None
+        self.copy_pieces: list[ShardPieces] | None = None  # where the epoch's copies read the optimizer
 
     # -- messaging ---------------------------------------------------------------------------------
 

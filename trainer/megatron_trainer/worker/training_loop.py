@@ -14,7 +14,8 @@ the epoch at a step boundary or at its end, waits for it (a transfer slower than
 steps costs step time there). The copies held go to the agent (``ReplicaSteps``). A failed exchange is handled like a
 failed step; a failed step first gives the ward's copy of the refresh in flight a moment to arrive
 (:data:`SALVAGE_WAIT`). The copies only read the optimizer's state: training is the same with or
-without them.
+without them. Where the epoch's refreshes spent their time is logged as it ends
+(worker/refresh_times.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from megatron_trainer.worker.buddy_copies import GENERATIONS, BuddyCopies, buddy
 from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
-from megatron_trainer.worker.optimizer_shards import buffer_layouts, flat_shards
+from megatron_trainer.worker.optimizer_shards import buffer_layouts, flat_shards, materialize, shard_pieces
+from megatron_trainer.worker.refresh_times import Stamp, summary
 from megatron_trainer.worker.step import RefusedStep, StepResult, UpdateRefused, train_step
 from megatron_trainer.worker.watchdog import Phase
 
@@ -75,6 +77,7 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
         if shutdown or (nxt is not None and nxt.resume_step <= ts.step):
             if not shutdown:
                 _refresh_copies(worker, plan, due=False)  # the copy in flight completes before we leave
+            _log_refresh_times(worker, plan)
             return  # the main loop enters the next plan (or shuts down)
         if worker.aborted.is_set():  # by the watchdog between two steps
             _on_step_failure(worker, plan, f"aborted: {worker.abort_reason}")
@@ -105,6 +108,7 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
             return
     if not _refresh_copies(worker, plan, due=False):
         return
+    _log_refresh_times(worker, plan)
     if worker.saver is not None:
         _report_checkpoint(worker, plan, worker.saver.finish(ts, plan.epoch, plan.sizes.model_dump()))
     worker.move(WorkerState.SUCCEEDED, f"trained {ts.step} steps")
@@ -156,7 +160,7 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     # The last epoch's copies are no longer read (the join restored from them): their host buffers
     # go to this epoch's, as long as their shapes fit.
     recycled = worker.copies.buffers() if worker.copies is not None else []
-    worker.copies = None
+    worker.copies = worker.copy_pieces = None
     if pair is not None and links is not None:
         over_nccl = not worker.copies_over_gloo
         worker.copies = BuddyCopies(worker.rank, *pair, links=links, over_nccl=over_nccl, recycled=recycled)
@@ -203,7 +207,11 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True
                 return True  # still in flight: the next step runs beside it
             _log_copies(worker, copies, "copies")
         if due:
-            copies.start_refresh(ts.step, flat_shards(ts.optimizer))
+            began = Stamp(worker.device)
+            if worker.copy_pieces is None:  # the optimizer's tensors stay the same within an epoch
+                worker.copy_pieces = shard_pieces(ts.optimizer)
+            shards = copies.assemble(partial(materialize, worker.copy_pieces), worker.device)
+            copies.start_refresh(ts.step, shards, began)
             _log_copies(worker, copies, "state")
     except RuntimeError as err:
         if not (worker.aborted.is_set() or is_collective_error(err)):
@@ -216,6 +224,13 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True
             worker.out_of_step.set()
     worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
     return True
+
+
+def _log_refresh_times(worker: Worker, plan: MeshPlan) -> None:
+    """Where the epoch's refreshes spent their time (worker/refresh_times.py), once, as it ends."""
+    line = summary(worker.copies.times) if worker.copies is not None else None
+    if line is not None:
+        log.info("epoch %d rank %d: buddy copies: %s", plan.epoch, worker.rank, line)
 
 
 def _log_copies(worker: Worker, copies: BuddyCopies, kind: str) -> None:
