@@ -67,10 +67,10 @@ out["steps"] = copies.complete_steps()
 print(json.dumps(out), flush=True)
 """
 
-_ABORTED_WARD = r"""
+# Two ranks on two GPUs, each the other's buddy, with their copies.
+_PAIR_ON_GPUS = r"""
 import datetime, json, os, sys, time
 import torch, torch.distributed as dist
-from megatron_trainer.worker.abort import abort_communicators
 from megatron_trainer.worker.buddy_copies import BuddyCopies, exchange_links
 from megatron_trainer.worker.settings import NCCL_DEFAULTS
 
@@ -82,6 +82,12 @@ timeout = datetime.timedelta(seconds=60)
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
 dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timeout, device_id=device)
 copies = BuddyCopies(rank, 1 - rank, 1 - rank, links=exchange_links(store, rank, 1 - rank, 1 - rank, timeout))
+"""
+
+_ABORTED_WARD = (
+    _PAIR_ON_GPUS
+    + r"""
+from megatron_trainer.worker.abort import abort_communicators
 for step in (1, 2):
     copies.start_refresh(step, [torch.full((64, 3), float(rank + step), device=device)])
     copies.finish_refresh()
@@ -104,21 +110,11 @@ out["ward_copy_2"] = copies.ward_copy(2)[0][0, 0].item()
 print(json.dumps(out), flush=True)
 os._exit(0)  # the aborted communicators are not destroyed
 """
+)
 
-_ASSEMBLED_BESIDE = r"""
-import datetime, json, os, sys
-import torch, torch.distributed as dist
-from megatron_trainer.worker.buddy_copies import BuddyCopies, exchange_links
-from megatron_trainer.worker.settings import NCCL_DEFAULTS
-
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-os.environ.update(NCCL_DEFAULTS)
-device = torch.device("cuda", rank)
-torch.cuda.set_device(device)
-timeout = datetime.timedelta(seconds=60)
-store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
-dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=timeout, device_id=device)
-copies = BuddyCopies(rank, 1 - rank, 1 - rank, links=exchange_links(store, rank, 1 - rank, 1 - rank, timeout))
+_ASSEMBLED_BESIDE = (
+    _PAIR_ON_GPUS
+    + r"""
 state = torch.zeros(1 << 20, 3, device=device)  # the optimizer's state, as the step leaves it
 out = {}
 for step in (1, 2, 3):
@@ -137,6 +133,7 @@ out["steps"] = copies.complete_steps()
 copies.abandon()
 print(json.dumps(out), flush=True)
 """
+)
 
 _RANK = r"""
 import datetime, json, os, sys, time
