@@ -267,20 +267,18 @@ class BuddyCopies:
             for host, shard in zip(own, shards, strict=True):
                 host.copy_(shard)
         self._generations.append(_Generation(step, own, ward))
-        to_host = sum(t.numel() * t.element_size() for t in (*own, *ward))
-        times = RefreshTimes(step=step, bytes_to_host=to_host, host_s=0.0)
+        end = None  # the GPU transport's last event; the gloo thread times its exchange itself
         if pin and self._over_nccl and dist.is_initialized() and dist.get_backend() == "nccl":
             device_exchange = self._send_on_device(step, shards, ward)
-            self._exchange = device_exchange
-            times.host_s = time.perf_counter() - began.host
-            self._timing = (times, [began.event, assembled, copied, device_exchange.end])
-            return
-        times.host_s = time.perf_counter() - began.host
-        self._timing = (times, [began.event, assembled, copied, None])
-        self._exchange = exchange = _Exchange()
-        threading.Thread(
-            target=self._transfer, args=(exchange, copied, own, ward), name="buddy-copies", daemon=True
-        ).start()
+            self._exchange, end = device_exchange, device_exchange.end
+        else:
+            self._exchange = exchange = _Exchange()
+            threading.Thread(
+                target=self._transfer, args=(exchange, copied, own, ward), name="buddy-copies", daemon=True
+            ).start()
+        to_host = sum(t.numel() * t.element_size() for t in (*own, *ward))
+        times = RefreshTimes(step=step, bytes_to_host=to_host, host_s=time.perf_counter() - began.host)
+        self._timing = (times, [began.event, assembled, copied, end])
 
     def _send_on_device(self, step: int, shards: Sequence[torch.Tensor], ward: list[torch.Tensor]) -> _DeviceExchange:
         """Queue the GPU transport's refresh on the side stream, after the snapshot's copy to host

@@ -33,7 +33,7 @@ class RefreshTimes:
     bytes_to_host: int  # this rank's snapshot and its ward's copy, into host memory
     host_s: float  # the training thread's time to assemble the shards and queue the refresh
     waited_s: float = 0.0  # the training thread's wait for its end
-    assemble_s: float | None = None  # GPU: the flat shards' assembly, on the compute stream
+    assemble_s: float | None = None  # GPU: the flat shards' assembly (side stream, BuddyCopies.assemble)
     own_copy_s: float | None = None  # GPU: this rank's snapshot to host memory (side stream)
     exchange_s: float | None = None  # the sends and receives, with the ward's copy to host memory
     total_s: float | None = None  # from the assembly's start to the refresh's end
