@@ -8,7 +8,9 @@ fields a newer operator sends; the restore's buckets keep every tensor once, by 
 limit; the restore's routes send each newcomer its named peer's state, bring survivors of a DP
 group that disagree by a step to the newest one (from the lowest-ranked survivor holding it, also
 for a newcomer whose named peer is behind; with expert parallelism, one holding the same experts),
-and leave every member of the group at the newest step whatever the survivors hold.
+and leave every member of the group at the newest step whatever the survivors hold; the flat
+shards assembled window by window hold every optimizer piece at its row and zeros in the padding,
+whatever the window, and read the pieces' tensors anew at every assembly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megatron_contract.mesh import BatchGeometry, MeshPlan, StateSource, StateSo
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectedFault, InjectionPoint
 from megatron_trainer.worker.data import IndexedTokens, MockTokens, micro_batches, replica_samples
 from megatron_trainer.worker.lifecycle import IllegalTransition, WorkerState, check_transition
+from megatron_trainer.worker.optimizer_shards import ShardPieces, materialize
 from megatron_trainer.worker.peer_restore import buckets, restore_routes
 from megatron_trainer.worker.settings import (
     ENV_ALLOC_CONF,
@@ -308,3 +311,34 @@ def test_restore_routes_leave_every_member_at_the_newest_step(steps: list[int], 
     assert all(held[r] == newest for r in survivors if r not in routes), "a survivor that keeps is current"
     kept_peers = {r: s.peer_rank for r, s in sources.items() if held[s.peer_rank or 0] == newest}
     assert {r: routes[r] for r in kept_peers} == kept_peers, "a current named peer is kept"
+
+
+@given(
+    layout=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 40)), max_size=8),  # (padding before, piece rows)
+    tail=st.integers(0, 5),
+    window=st.integers(1, 64),
+    seed=st.integers(0, 2**16),
+)
+def test_flat_shards_hold_every_piece_where_it_starts_and_zeros_elsewhere_whatever_the_window(
+    layout: list[tuple[int, int]], tail: int, window: int, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    pieces, row = [], 0
+    for gap, rows in layout:
+        dtypes = (torch.float32, torch.float32, torch.bfloat16 if rows % 3 == 0 else torch.float32)
+        pieces.append((row + gap, tuple(torch.randn(rows, generator=generator).to(d) for d in dtypes)))
+        row += gap + rows
+    shard = ShardPieces(row + tail, tuple(reversed(pieces)))  # in any order
+    want = torch.zeros(shard.rows, 3)
+    for first, columns in pieces:
+        for c, t in enumerate(columns):
+            want[first : first + t.numel(), c] = t.float()
+    [got] = materialize([shard], window_rows=window)
+    assert got.shape == want.shape and torch.equal(got, want), (got, want)
+    # The windows are cut once; the next refresh reads the pieces' tensors as they are by then.
+    for first, columns in pieces:
+        for c, t in enumerate(columns):
+            t.mul_(2)
+            want[first : first + t.numel(), c] = t.float()
+    [again] = materialize([shard], window_rows=window)
+    assert torch.equal(again, want), (again, want)

@@ -45,6 +45,14 @@ class ShardPieces:
     rows: int  # shard elements
     pieces: tuple[tuple[int, tuple[torch.Tensor, ...]], ...]  # (first row, [main param, *states] flat)
 
+    def windows(self, window_rows: int) -> list[tuple[int, int, list[_Run]]]:
+        """The rows in windows of at most ``window_rows`` (:func:`materialize`), cut once per size: a
+        1 B model's hundreds of pieces took the training thread ~5 ms to cut at every refresh."""
+        cut: dict[int, list[tuple[int, int, list[_Run]]]] = self.__dict__.setdefault("_windows", {})
+        if window_rows not in cut:  # a frozen dataclass's own dict: no field, not compared
+            cut[window_rows] = _windows(self, window_rows)
+        return cut[window_rows]
+
 
 def shard_pieces(optimizer: Any) -> list[ShardPieces]:
     """This rank's shard of every buffer, as references to the optimizer's tensors."""
@@ -62,17 +70,73 @@ def shard_pieces(optimizer: Any) -> list[ShardPieces]:
     return out
 
 
-def materialize(shards: list[ShardPieces]) -> list[torch.Tensor]:
-    """The flat shards (copies) of pieces from :func:`shard_pieces`; padding rows zero."""
+#: Rows :func:`materialize` assembles at once: each column of a window is gathered into a staging
+#: buffer of this many elements, then the columns are interleaved into the rows (3 x 16 Mi fp32 = 192 MiB).
+WINDOW_ROWS = 16 << 20
+
+
+def materialize(shards: list[ShardPieces], window_rows: int = WINDOW_ROWS) -> list[torch.Tensor]:
+    """The flat shards (copies) of pieces from :func:`shard_pieces`; padding rows zero.
+
+    A few kernels a window instead of one for every column of every piece (hundreds of launches,
+    each writing every third element): a 1 B model's shard took 0.03 s of GPU time and ~0.01 s of
+    the training thread at every buddy refresh that way."""
     out = []
     for shard in shards:
         device = shard.pieces[0][1][0].device if shard.pieces else None
-        rows = torch.zeros(shard.rows, 1 + len(STATE_KEYS), dtype=torch.float32, device=device)
-        for first, columns in shard.pieces:
-            for c, t in enumerate(columns):
-                rows[first : first + t.numel(), c] = t
+        columns = 1 + len(STATE_KEYS)
+        rows = torch.empty(shard.rows, columns, dtype=torch.float32, device=device)
+        staging = torch.empty(columns, min(window_rows, shard.rows), dtype=torch.float32, device=device)
+        for start, end, runs in shard.windows(window_rows):
+            for c in range(columns):
+                for run in runs:
+                    target = staging[c, run.first - start : run.first - start + run.rows]
+                    if not run.parts:
+                        target.zero_()
+                    else:  # cat casts nothing: a precision-aware optimizer's bf16 moments are cast first
+                        torch.cat(
+                            [p[c] if p[c].dtype == torch.float32 else p[c].float() for p in run.parts], out=target
+                        )
+            rows[start:end].copy_(staging[:, : end - start].t())
         out.append(rows)
     return out
+
+
+@dataclasses.dataclass
+class _Run:
+    """Adjacent rows of a window: the columns of the pieces filling them, in order (none: padding)."""
+
+    first: int
+    rows: int
+    parts: list[tuple[torch.Tensor, ...]]
+
+
+def _windows(shard: ShardPieces, window_rows: int) -> list[tuple[int, int, list[_Run]]]:
+    """``shard``'s rows, all of them, in windows of at most ``window_rows``: (start, end, runs)."""
+    windows: list[tuple[int, int, list[_Run]]] = []
+
+    def place(first: int, count: int, columns: tuple[torch.Tensor, ...] | None) -> None:
+        while count > 0:
+            if not windows or first >= windows[-1][1]:
+                windows.append((first, min(first + window_rows, shard.rows), []))
+            _, end, runs = windows[-1]
+            take = min(count, end - first)
+            part = None if columns is None else tuple(t[:take] for t in columns)
+            if part is not None and runs and runs[-1].parts and runs[-1].first + runs[-1].rows == first:
+                runs[-1].parts.append(part)
+                runs[-1].rows += take
+            else:
+                runs.append(_Run(first, take, [part] if part is not None else []))
+            first, count = first + take, count - take
+            columns = None if columns is None else tuple(t[take:] for t in columns)
+
+    row = 0
+    for first, columns in sorted(shard.pieces, key=lambda p: p[0]):
+        place(row, first - row, None)
+        place(first, columns[0].numel(), columns)
+        row = first + columns[0].numel()
+    place(row, shard.rows - row, None)
+    return windows
 
 
 def flat_shards(optimizer: Any) -> list[torch.Tensor]:
