@@ -60,6 +60,7 @@ from megatron_contract.job import CheckpointSpec, MegatronJobSpec  # noqa: E402
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSource, StateSourceKind  # noqa: E402
 from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
 from megatron_trainer.worker.checkpoint_files import newest_complete  # noqa: E402
+from megatron_trainer.worker.refresh_times import logged  # noqa: E402
 from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT  # noqa: E402
 
 SKIP = 2  # an epoch's first steps: the first step's own costs
@@ -335,15 +336,10 @@ def main() -> int:
 
 def refresh_times(log: str, epoch: int) -> dict[str, dict[str, float]]:
     """From a worker's log: ``epoch``'s first refresh's times and the medians of the others'."""
-    found = re.search(rf"epoch {epoch} rank \d+: buddy copies: \d+ refreshes; the first \(step \d+\): (.*)", log)
-    if found is None:
+    found = [line for line in logged(log) if line.epoch == epoch]
+    if not found:
         return {}
-    first, _, rest = found[1].partition("; the others' medians ")
-
-    def fields(text: str) -> dict[str, float]:
-        return {k: float(v) for k, v in (kv.split("=") for kv in text.split() if "=" in kv)}
-
-    return {"first": fields(first), "others": fields(rest.partition(": ")[2])} if rest else {"first": fields(first)}
+    return {"first": found[0].first} | ({"others": found[0].others} if found[0].others else {})
 
 
 def host_copy_rates(gib: float = 2.0, repeats: int = 3) -> dict[str, float]:

@@ -29,7 +29,6 @@ ward's copy having arrived: no completed step is lost.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,7 @@ from megatron_contract.mesh import MeshPlan, PlanReason
 from megatron_trainer.channel import CollectiveFailed, ReplicaSteps
 from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
 from megatron_trainer.worker.buddy_copies import buddy_and_ward
+from megatron_trainer.worker.refresh_times import logged
 from megatron_trainer.worker.settings import ENV_COPY_LOG
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -148,13 +148,12 @@ def test_every_step_each_ward_copy_is_its_wards_shard_and_losses_are_unchanged(
         # As the epoch ends, where its refreshes spent their time: own snapshot and ward's copy, each
         # the snapshot's size here (the ward sits at the same model-parallel position in these meshes
         # with one pipeline stage).
-        times = re.search(r"epoch 1 rank \d+: buddy copies: (\d+) refreshes; the first \(step 1\): (.*)", text)
-        assert times is not None, worker.name
-        assert int(times[1]) == TRAIN_ITERS, worker.name
-        fields = dict(kv.split("=") for kv in times[2].split("; the others")[0].split())
-        assert float(fields["host_s"]) > 0 and float(fields["exchange_s"]) > 0, fields
+        [times] = [line for line in logged(text) if line.epoch == 1]
+        assert times.refreshes == TRAIN_ITERS and times.first_step == 1, times
+        fields = times.first
+        assert fields["host_s"] > 0 and fields["exchange_s"] > 0 and times.others, times
         if plan.sizes.pp == 1:
-            assert int(fields["bytes_to_host"]) == 2 * snapshot, fields
+            assert fields["bytes_to_host"] == 2 * snapshot, fields
 
 
 def test_a_new_epoch_at_a_step_boundary_starts_fresh_copies_every_interval(

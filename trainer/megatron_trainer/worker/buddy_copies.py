@@ -211,19 +211,22 @@ class BuddyCopies:
         self.times = RefreshLog()  # the finished refreshes' times
         self._timing: tuple[RefreshTimes, list[Any]] | None = None  # the refresh in flight's, its events
         self._reads: Any = None  # the side stream's event after its assembly read the optimizer's state
+        self._assembled = 0.0  # when the training thread had queued the assembly (perf_counter)
 
     def assemble(self, make: Callable[[], Sequence[torch.Tensor]], device: torch.device) -> Sequence[torch.Tensor]:
         """The shards of the next refresh, from ``make`` (which reads the optimizer's state). On GPU it
         runs on the side stream, after what the current stream has queued, so the next step's compute
         need not wait for it; the optimizer's next update must then wait (:meth:`hold_update`)."""
         if device.type != "cuda":
-            return make()
-        self._stream = self._stream or _side_stream(device)
-        self._stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._stream):
             shards = make()
-        self._reads = torch.cuda.Event(enable_timing=True)
-        self._reads.record(self._stream)
+        else:
+            self._stream = self._stream or _side_stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                shards = make()
+            self._reads = torch.cuda.Event(enable_timing=True)
+            self._reads.record(self._stream)
+        self._assembled = time.perf_counter()
         return shards
 
     def hold_update(self, device: torch.device) -> None:
@@ -277,7 +280,9 @@ class BuddyCopies:
                 target=self._transfer, args=(exchange, copied, own, ward), name="buddy-copies", daemon=True
             ).start()
         to_host = sum(t.numel() * t.element_size() for t in (*own, *ward))
-        times = RefreshTimes(step=step, bytes_to_host=to_host, host_s=time.perf_counter() - began.host)
+        now = time.perf_counter()
+        queued = now - max(self._assembled, began.host)
+        times = RefreshTimes(step=step, bytes_to_host=to_host, host_s=now - began.host, queue_s=queued)
         self._timing = (times, [began.event, assembled, copied, end])
 
     def _send_on_device(self, step: int, shards: Sequence[torch.Tensor], ward: list[torch.Tensor]) -> _DeviceExchange:

@@ -9,12 +9,13 @@ between refreshes it turns into ``waited_s``. On GPU the side stream copies this
 host memory (``own_copy_s``), then sends it and receives the ward's, chunk by chunk into host memory
 (``exchange_s``): ``bytes_to_host`` over their sum is the side stream's rate, the host link's where
 the sends (over NVLink) take little of it. The training loop logs one line per epoch
-(:func:`summary`).
+(:data:`LOG_LINE`, :func:`summary`); :func:`logged` reads them back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from collections import deque
@@ -26,12 +27,21 @@ import torch
 #: step would otherwise hold millions.
 KEPT = 1000
 
+#: The training loop's line of an epoch's refreshes: epoch, rank, :func:`summary`.
+LOG_LINE = "epoch %d rank %d: buddy copies: %s"
+
+_LOGGED = re.compile(
+    r"epoch (\d+) rank (\d+): buddy copies: (\d+) refreshes; the first \(step (\d+)\): ([^;\n]*)"
+    r"(?:; the others' medians \(newest \d+\): ([^;\n]*))?"
+)
+
 
 @dataclasses.dataclass
 class RefreshTimes:
     step: int
     bytes_to_host: int  # this rank's snapshot and its ward's copy, into host memory
     host_s: float  # the training thread's time to assemble the shards and queue the refresh
+    queue_s: float | None = None  # the part of host_s after the assembly: queueing the copies and transfers
     waited_s: float = 0.0  # the training thread's wait for its end
     assemble_s: float | None = None  # GPU: the flat shards' assembly (side stream, BuddyCopies.assemble)
     own_copy_s: float | None = None  # GPU: this rank's snapshot to host memory (side stream)
@@ -91,7 +101,7 @@ def summary(log: RefreshLog) -> str | None:
 
 
 def _fields(times: list[RefreshTimes]) -> str:
-    names = ("host_s", "waited_s", "assemble_s", "own_copy_s", "exchange_s", "total_s")
+    names = ("host_s", "queue_s", "waited_s", "assemble_s", "own_copy_s", "exchange_s", "total_s")
     parts = []
     for name in names:
         values = [v for t in times if (v := getattr(t, name)) is not None]
@@ -106,3 +116,26 @@ def _fields(times: list[RefreshTimes]) -> str:
     if host_copy:
         parts.append(f"side_stream_gb_per_s={statistics.median(host_copy) / 1e9:.2f}")
     return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logged:
+    """One :data:`LOG_LINE`, read back: the first refresh's fields and the others' medians."""
+
+    epoch: int
+    rank: int
+    refreshes: int
+    first_step: int
+    first: dict[str, float]
+    others: dict[str, float]  # empty when the epoch refreshed once
+
+
+def logged(text: str) -> list[Logged]:
+    """Every :data:`LOG_LINE` of a worker's log ``text``, in order."""
+
+    def fields(part: str | None) -> dict[str, float]:
+        return {k: float(v) for k, _, v in (kv.partition("=") for kv in (part or "").split())}
+
+    return [
+        Logged(int(m[1]), int(m[2]), int(m[3]), int(m[4]), fields(m[5]), fields(m[6])) for m in _LOGGED.finditer(text)
+    ]

@@ -47,7 +47,7 @@ from megatron_trainer.worker.collective_errors import is_collective_error
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
 from megatron_trainer.worker.optimizer_shards import buffer_layouts, flat_shards, materialize, shard_pieces
-from megatron_trainer.worker.refresh_times import Stamp, summary
+from megatron_trainer.worker.refresh_times import LOG_LINE, Stamp, summary
 from megatron_trainer.worker.step import RefusedStep, StepResult, UpdateRefused, train_step
 from megatron_trainer.worker.watchdog import Phase
 
@@ -230,7 +230,7 @@ def _log_refresh_times(worker: Worker, plan: MeshPlan) -> None:
     """Where the epoch's refreshes spent their time (worker/refresh_times.py), once, as it ends."""
     line = summary(worker.copies.times) if worker.copies is not None else None
     if line is not None:
-        log.info("epoch %d rank %d: buddy copies: %s", plan.epoch, worker.rank, line)
+        log.info(LOG_LINE, plan.epoch, worker.rank, line)
 
 
 def _log_copies(worker: Worker, copies: BuddyCopies, kind: str) -> None:
