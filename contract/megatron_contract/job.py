@@ -225,7 +225,7 @@ class OptimizerSpec(WireModel):
         description="With distributed: steps between refreshes of the host copy of each rank's optimizer shard, kept "
         "by a rank on another pod (its buddy). 1 loses no completed step when a pod is lost; N redoes up to N-1 steps "
         "for N times less copying. A refresh runs beside the next steps (on GPU over NCCL) and slows them: a 1.1 B "
-        "GPT at dp 2 on 2xH100 ran 9 % slower at 1, 1 % at 4; one that outlasts N steps holds the next refresh up. "
+        "GPT at dp 2 on 2xH100 ran 7.9 % slower at 1, 1.4 % at 4; one that outlasts N steps holds the next refresh up. "
         "Kept "
         "for dense models without context parallelism on two pods or more (the "
         "others reload the checkpoint when a shard moves). Host memory per pod: gpusPerPod x 2 generations x (own + "

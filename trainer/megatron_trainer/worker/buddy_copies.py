@@ -23,10 +23,10 @@ when the plan asks for buddies. Two transports:
   compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
   Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
   is. On 2xH100 with a 1.1 B-parameter GPT (6.6 GB shards, 13.4 GB into host memory per refresh at
-  ~40 GB/s) a refresh keeps the side stream 0.36 s (assembly 0.03 s, own snapshot 0.14 s, exchange
-  and the ward's copy 0.19 s) and cost +1.0 % of the step time every 4 steps, +9.0 % every step
-  (the step itself slows: the side stream is busy for most of a 0.39 s step); over gloo, every 4
-  steps cost +269 %. The world group
+  ~40 GB/s) a refresh keeps the side stream 0.34 s (assembly 0.02 s, own snapshot 0.14 s, exchange
+  and the ward's copy 0.18 s) and the training thread 4-6 ms; it cost +1.4 % of the step time every
+  4 steps, +7.9 % every step (the step itself slows: the side stream is busy for most of a 0.38 s
+  step); over gloo, every 4 steps cost +269 %. The world group
   carries no per-step collective, so the transfers wait for nothing of the step's. A sender ends
   its transfers with a token (the step); the receiver counts the copy complete only when the token
   arrived: after a communicator abort (a peer died) the pending receives end without data, and the
