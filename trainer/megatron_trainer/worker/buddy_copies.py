@@ -22,11 +22,13 @@ when the plan asks for buddies. Two transports:
   are assembled on the side stream too (:meth:`BuddyCopies.assemble`), beside the next step's
   compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
   Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
-  is. On 2xH100 with a 1.1 B-parameter GPT (6.6 GB shards, 13.4 GB into host memory per refresh at
-  ~40 GB/s) a refresh keeps the side stream 0.34 s (assembly 0.02 s, own snapshot 0.14 s, exchange
-  and the ward's copy 0.18 s) and the training thread 4-6 ms; it cost +1.4 % of the step time every
-  4 steps, +7.9 % every step (the step itself slows: the side stream is busy for most of a 0.38 s
-  step); over gloo, every 4 steps cost +269 %. The world group
+  is. Shards move as they lie in memory, column after column (``optimizer_shards.columns_of``);
+  the host copies are laid out the same way. On 2xH100 with a 1.1 B-parameter GPT (6.6 GB shards,
+  13.4 GB into host memory per refresh at ~37 GB/s) a refresh keeps the side stream 0.36 s
+  (assembly 0.006 s, own snapshot 0.15 s, exchange and the ward's copy 0.20 s) and the training
+  thread ~3 ms; it cost up to +1.1 % of the step time every 4 steps, +6-9 % every step (the step
+  itself slows: the side stream is busy for most of a 0.39 s step); over gloo, every 4 steps cost
+  +269 %. The world group
   carries no per-step collective, so the transfers wait for nothing of the step's. A sender ends
   its transfers with a token (the step); the receiver counts the copy complete only when the token
   arrived: after a communicator abort (a peer died) the pending receives end without data, and the
@@ -56,6 +58,7 @@ import torch.distributed as dist
 
 from megatron_contract.host_memory import BUDDY_GENERATIONS
 from megatron_contract.mesh import MeshPlan
+from megatron_trainer.worker.optimizer_shards import columns_of, rows_of
 from megatron_trainer.worker.refresh_times import RefreshLog, RefreshTimes, Stamp, seconds
 
 #: Generations kept: the newest complete copy survives a refresh in flight.
@@ -91,7 +94,8 @@ def _fits(
     ward_shapes: list[torch.Size],
     pinned: bool,
 ) -> bool:
-    """Whether host ``buffers`` (own, ward) can take a refresh of ``shards`` and the ward's."""
+    """Whether host ``buffers`` (own, ward) can take a refresh of ``shards`` and the ward's (all
+    of them the shards' memory, ``optimizer_shards.columns_of``)."""
     own, ward = buffers
     return (
         [t.shape for t in own] == [s.shape for s in shards]
@@ -106,16 +110,10 @@ def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
     return [flat[i : i + CHUNK_ELEMENTS] for i in range(0, flat.numel(), CHUNK_ELEMENTS)]
 
 
-def _two_dims(shard: torch.Tensor) -> tuple[int, int]:
-    if shard.dim() != 2:
-        raise ValueError(f"a flat shard has two dimensions (rows, columns), not {tuple(shard.shape)}")
-    return shard.shape[0], shard.shape[1]
-
-
 @dataclasses.dataclass
 class _Generation:
     step: int
-    own: list[torch.Tensor]  # this rank's shards, flat, in host memory
+    own: list[torch.Tensor]  # this rank's shards' memory (optimizer_shards.columns_of), on the host
     ward: list[torch.Tensor]  # the ward's
     complete: bool = False
 
@@ -247,6 +245,7 @@ class BuddyCopies:
             raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
         if self._generations and step <= self._generations[-1].step:
             raise ValueError(f"refresh of step {step} after one of step {self._generations[-1].step}")
+        shards = [columns_of(s) for s in shards]  # moved whole as they lie in memory (views of materialize's)
         if self._ward_shapes is None:
             self._ward_shapes = self._exchange_shapes(shards)
         if len(self._generations) >= self._limit:
@@ -290,7 +289,7 @@ class BuddyCopies:
         memory: this rank's ``shards`` to its buddy and its ward's into ``ward`` (pinned), chunk by
         chunk through one staging buffer, then the tokens. Called on the main thread, so that every
         rank queues its transfers on the world group in the same order as its other work there."""
-        sends = [piece for s in shards for piece in _chunks(s.reshape(-1))]
+        sends = [piece for s in shards for piece in _chunks(s.view(-1))]
         lands = [piece for t in ward for piece in _chunks(t.view(-1))]
         device = next(s.device for s in shards if s.is_cuda)
         token = torch.full((1,), -1, dtype=torch.int64, pin_memory=True)
@@ -357,7 +356,7 @@ class BuddyCopies:
         """Send the buddy the shapes of this rank's shards and receive the ward's (once per epoch,
         blocking): a ward at another model-parallel position (one replica over several pods) has
         shards of other sizes, and maybe another number of them."""
-        mine = torch.tensor([len(shards), *(n for s in shards for n in _two_dims(s))], dtype=torch.int64)
+        mine = torch.tensor([len(shards), *(n for s in shards for n in s.shape)], dtype=torch.int64)
         count = torch.zeros(1, dtype=torch.int64)
         sent = [self._send(mine[:1].clone(), _SHAPES_TAG), self._recv(count, _SHAPES_TAG)]
         for request in sent:
@@ -464,12 +463,12 @@ class BuddyCopies:
         return [g.step for g in reversed(self._generations) if g.complete]
 
     def own(self, step: int) -> list[torch.Tensor]:
-        """This rank's complete snapshot of ``step``."""
-        return self._complete(step).own
+        """This rank's complete snapshot of ``step``: its flat shards (views of host memory)."""
+        return [rows_of(t) for t in self._complete(step).own]
 
     def ward_copy(self, step: int) -> list[torch.Tensor]:
-        """The ward's complete copy of ``step``."""
-        return self._complete(step).ward
+        """The ward's complete copy of ``step``: its flat shards (views of host memory)."""
+        return [rows_of(t) for t in self._complete(step).ward]
 
     def _complete(self, step: int) -> _Generation:
         for g in self._generations:

@@ -40,7 +40,7 @@ from megatron_contract.mesh import MeshPlan, OptimizerSourceKind, OptimizerState
 from megatron_trainer.worker.buddy_copies import BuddyCopies
 from megatron_trainer.worker.model import HeldState, TrainState, set_scheduler_steps
 from megatron_trainer.worker.optimizer_shards import (
-    STATE_KEYS,
+    COLUMNS,
     distributed_optimizers,
     load_flat_shards,
     materialize,
@@ -53,7 +53,6 @@ from megatron_trainer.worker.verify import StateMismatch
 log = logging.getLogger(__name__)
 
 STEPS_TIMEOUT_SECONDS = 120.0
-COLUMNS = 1 + len(STATE_KEYS)
 #: Tags of the relays, past those of an exchange (one per transfer, from 0).
 _RELAY_TAG = 1 << 24
 _MAX_BUFFERS = 64
