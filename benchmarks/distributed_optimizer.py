@@ -12,7 +12,10 @@ distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`
    epoch's first ``SKIP`` steps and its first refresh are left out: they are paid once an epoch (the
    first step's own costs; the first refresh also connects the pair's transfers), and are printed
    from the workers' logs with where each refresh's time went (worker/refresh_times.py). The wall
-   time includes what a refresh blocks between steps, which the workers' own step time does not;
+   time includes what a refresh blocks between steps, which the workers' own step time does not. Each
+   round's arms are also compared with that round's no-copies epoch (``overhead_percent_by_round``,
+   and by the workers' median step): no-copies epochs more than ``NOISY_PERCENT`` apart are flagged
+   as a noisy host, whose slow epoch the averaged overheads would hide;
 2. shrink in memory: b is SIGKILLed mid-step; a goes on alone (DP 2 -> 1) with its own shard and
    the copy of b's it keeps, as the operator's planner says with in-memory restore on: kill -> a's
    first step, and the steps redone;
@@ -64,6 +67,8 @@ from megatron_trainer.worker.refresh_times import logged  # noqa: E402
 from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT  # noqa: E402
 
 SKIP = 2  # an epoch's first steps: the first step's own costs
+#: No-copies epochs further apart than this (percent of the fastest) are flagged as a noisy host.
+NOISY_PERCENT = 5.0
 
 
 def main() -> int:
@@ -204,6 +209,16 @@ def main() -> int:
         plan = assign(cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=True), ["a", "b"])
         cluster.wait_steps(["a", "b"], start + SKIP, timeout=900)
         without = statistics.median(walls["none"])
+        # Each round's arms against that round's no-copies epoch: a host that slows one whole epoch
+        # (seen on shared GPU machines) shows as rounds that disagree, not as a quiet average.
+        by_round = {k: _overheads(walls[k], walls["none"]) for k in kinds[1:]}
+        step_by_round = {k: _overheads(medians[k], medians["none"]) for k in kinds[1:]}
+        spread = 100 * (max(walls["none"]) / min(walls["none"]) - 1)
+        if spread > NOISY_PERCENT:
+            log(
+                f"WARNING: the no-copies epochs' wall times differ by {spread:.1f} %: a noisy host; the overheads"
+                f" by round say which rounds it spoilt: {json.dumps(by_round)}"
+            )
         # A checkpoint save holds its step (with this optimizer ~a minute at 1 B): an arm whose timed
         # steps include one measures the save, not the copies.
         saves = [int(n) for n in re.findall(r"checkpoint of step (\d+) started", pod_log("a"))]
@@ -221,6 +236,9 @@ def main() -> int:
                     f"{kind}: overhead_percent": round(100 * (statistics.median(walls[kind]) / without - 1), 2)
                     for kind in kinds[1:]
                 },
+                "overhead_percent_by_round": by_round,  # wall per step, against the round's no-copies epoch
+                "median_step_overhead_percent_by_round": step_by_round,  # the workers' median step, likewise
+                "no_copies_spread_percent": round(spread, 2),
                 "epoch_wall_s_per_step": walls,
                 "epoch_median_step_time_s": medians,  # the step alone, without the refresh around it
                 "gpu_memory_used_mib_peak": memory,  # nvidia-smi, per GPU; empty on CPU
@@ -332,6 +350,11 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def _overheads(arm: list[float], without: list[float]) -> list[float]:
+    """Each round's overhead in percent: ``arm``'s figure against the no-copies epoch of its round."""
+    return [round(100 * (a / n - 1), 2) for a, n in zip(arm, without, strict=True)]
 
 
 def refresh_times(log: str, epoch: int) -> dict[str, dict[str, float]]:

@@ -1,0 +1,51 @@
+"""``benchmarks/distributed_optimizer.py`` on CPU processes with gloo at a tiny model size: the
+steady arms (no copies, copies every 1 and every 2 steps, two rounds, each compared with its round's
+no-copies epoch), the shrink that takes the lost shard from the survivor's buddy copy, the growth
+that reshards it, the same shrink from the newest checkpoint, and every step's samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmark_runs import run_benchmark
+
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_checkpoint(tmp_path: Path) -> None:
+    args = ("--gpus", "2", "--global-batch", "4", "--steps", "2", "--rounds", "2", "--steady-intervals", "1,2")
+    result = run_benchmark(
+        "distributed_optimizer.py", tmp_path / "distopt.json", *args, "--checkpoint-interval", "6", *TINY, cpu=True
+    )
+    steady = result["steady"]
+    arms = ["copies every 1", "copies every 2"]
+    assert all(len(steady["epoch_wall_s_per_step"][k]) == 2 for k in ["none", *arms])
+    for kind in arms:
+        walls, without = steady["epoch_wall_s_per_step"][kind], steady["epoch_wall_s_per_step"]["none"]
+        want = [round(100 * (a / n - 1), 2) for a, n in zip(walls, without, strict=True)]
+        assert steady["overhead_percent_by_round"][kind] == want
+        assert len(steady["median_step_overhead_percent_by_round"][kind]) == 2
+    assert steady["no_copies_spread_percent"] >= 0
+    # Every epoch with copies logged its refreshes, each moving both shards into host memory.
+    assert len(steady["refresh_times"]) == 4
+    for pods in steady["refresh_times"].values():
+        assert all(pods[p]["first"]["bytes_to_host"] > 0 for p in ("a", "b"))
+
+    shrink = result["shrink_in_memory"]
+    assert shrink["source"] == "reshard"
+    assert {(c["previous_rank"], c["holder_pod"], c["buddy"]) for c in shrink["copies"]} == {
+        (0, "a", False),
+        (1, "a", True),  # b's shard from the copy a kept of it
+    }
+    assert 0 <= shrink["steps_redone"] <= shrink["steps_redone_planned"] and shrink["kill_to_first_step_s"] > 0
+    grow = result["grow_in_memory"]
+    assert grow["steps_redone"] == 0 and grow["restored_step"] == grow["boundary"]
+    assert grow["phases_by_pod"]["c"]["restore"] > 0  # the newcomer's shard resharded from a's
+    from_checkpoint = result["shrink_from_checkpoint"]
+    assert from_checkpoint["checkpoint_step"] > 0 and from_checkpoint["steps_redone"] >= 0
+    assert result["samples"]["steps_checked"] > grow["boundary"]
+    assert result["shrink_ratio_in_memory_to_checkpoint"] > 0
