@@ -37,10 +37,10 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
 
     shrink = result["shrink_in_memory"]
     assert shrink["source"] == "reshard"
-    assert {(c["previous_rank"], c["holder_pod"], c["buddy"]) for c in shrink["copies"]} == {
-        (0, "a", False),
-        (1, "a", True),  # b's shard from the copy a kept of it
-    }
+    copies = {c["previous_rank"]: (c["holder_pod"], c["buddy"]) for c in shrink["copies"]}
+    assert copies[1] == ("a", True), copies  # b's shard from the copy a kept of it
+    # a's own from its GPU, or from its own snapshot when the copies' step is older than a's.
+    assert copies.get(0, ("a", False)) == ("a", False) and set(copies) <= {0, 1}, copies
     assert 0 <= shrink["steps_redone"] <= shrink["steps_redone_planned"] and shrink["kill_to_first_step_s"] > 0
     grow = result["grow_in_memory"]
     assert grow["steps_redone"] == 0 and grow["restored_step"] == grow["boundary"]

@@ -10,6 +10,9 @@ parameter element where the new layout puts it, padding zero):
   survivors keep theirs (a local copy, no transfer);
 - a process told to send a shard it does not hold refuses, before any transfer.
 
+Shrink and grow run with the held shards laid out by row and, as the worker holds them, with each
+column whole in memory; the new shard always has its columns apart.
+
 Every process a test starts is waited for, and killed if it outlives the test.
 """
 
@@ -54,6 +57,8 @@ store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.time
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 old_values = reference(old)
 held = {int(r): shard_of(old, old_values, int(r)) for r in scenario["held"][str(rank)]}
+if scenario.get("columns_apart"):  # as the worker holds them: each column whole in memory
+    held = {r: t.t().contiguous().t() for r, t in held.items()}
 try:
     got = exchange_shards(
         reshard_transfers(old, new), old, new, held, scenario["holder_of_old"], scenario["process_of_new"], rank,
@@ -69,7 +74,8 @@ expected = shard_of(new, reference(new), mine[0]) if mine else None
 ok = (got is None and expected is None) or (got is not None and torch.equal(got, expected))
 dist.barrier()
 dist.destroy_process_group()
-print(json.dumps({"rank": rank, "ok": ok, "rows": 0 if got is None else got.shape[0]}), flush=True)
+apart = got is None or got.t().is_contiguous()  # the new shard's columns lie apart too
+print(json.dumps({"rank": rank, "ok": ok and apart, "rows": 0 if got is None else got.shape[0]}), flush=True)
 """
 
 
@@ -81,7 +87,8 @@ def _run(scenario: dict[str, object], world: int) -> list[dict[str, object]]:
     return results
 
 
-def test_shrink_takes_the_lost_shard_from_its_buddys_copy() -> None:
+@pytest.mark.parametrize("columns_apart", [False, True], ids=["by-row", "columns-apart"])
+def test_shrink_takes_the_lost_shard_from_its_buddys_copy(columns_apart: bool) -> None:
     # Processes 0, 1, 2 held old ranks 0, 1, 3; old rank 2 is gone, its copy is on process 2.
     scenario = {
         "old_dp": 4,
@@ -89,14 +96,16 @@ def test_shrink_takes_the_lost_shard_from_its_buddys_copy() -> None:
         "held": {"0": [0], "1": [1], "2": [3, 2]},
         "holder_of_old": [0, 1, 2, 2],
         "process_of_new": [0, 1, 2],
+        "columns_apart": columns_apart,
     }
     results = _run(scenario, 3)
     assert all(r["ok"] for r in results), results
 
 
-def test_grow_fills_the_newcomers() -> None:
+@pytest.mark.parametrize("columns_apart", [False, True], ids=["by-row", "columns-apart"])
+def test_grow_fills_the_newcomers(columns_apart: bool) -> None:
     scenario = {"old_dp": 2, "new_dp": 4, "held": {"0": [0], "1": [1], "2": [], "3": []}}
-    scenario |= {"holder_of_old": [0, 1], "process_of_new": [0, 1, 2, 3]}
+    scenario |= {"holder_of_old": [0, 1], "process_of_new": [0, 1, 2, 3], "columns_apart": columns_apart}
     results = _run(scenario, 4)
     assert all(r["ok"] for r in results) and all(r["rows"] > 0 for r in results), results
 

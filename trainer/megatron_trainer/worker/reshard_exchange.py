@@ -4,8 +4,10 @@ copies it keeps for its buddies) and receives into its new shard exactly the ran
 No process gathers more than its own shard, and nothing goes through storage.
 
 A shard is held flat, one row per element of the shard (its bucket slices one after the other) and
-one column per state tensor (fp32 main parameter, Adam's two moments): a range of elements is then
-a contiguous block of rows, sent as is.
+one column per state tensor (fp32 main parameter, Adam's two moments); in memory its columns lie one
+after the other (worker/optimizer_shards.py), so a range of elements is one contiguous piece of each
+column: sent and received column by column, as is, without a copy. The new shard is laid out the
+same way.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def exchange_shards(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> torch.Tensor | None:
-    """This process's new shard, ``(new.shard_numel, columns)`` (None when it owns none), its
-    padding rows zero.
+    """This process's new shard, ``(new.shard_numel, columns)`` with its columns apart in memory
+    (None when it owns none), its padding rows zero. A held shard laid out otherwise is sent
+    column by column too, each column of a range copied first.
 
     Args:
         transfers: ``reshard_transfers(old, new)``.
@@ -54,7 +57,7 @@ def exchange_shards(
     mine = [r for r, p in enumerate(process_of_new) if p == me]
     if len(mine) > 1:
         raise ValueError(f"process {me} is given new dp ranks {mine}")
-    result = torch.zeros(new.shard_numel, columns, dtype=dtype, device=device) if mine else None
+    result = torch.zeros(columns, new.shard_numel, dtype=dtype, device=device).t() if mine else None
     ops: list[dist.P2POp] = []
     for tag, t in enumerate(transfers):
         source, dest = holder_of_old[t.source], process_of_new[t.dest]
@@ -66,10 +69,13 @@ def exchange_shards(
             assert result is not None
             result[into : into + t.numel] = held[t.source][rows : rows + t.numel]
         elif source == me:
-            ops.append(dist.P2POp(dist.isend, held[t.source][rows : rows + t.numel].contiguous(), dest, tag=tag))
+            block = held[t.source][rows : rows + t.numel]
+            for c in range(columns):
+                ops.append(dist.P2POp(dist.isend, block[:, c].contiguous(), dest, tag=tag * columns + c))
         else:
             assert result is not None
-            ops.append(dist.P2POp(dist.irecv, result[into : into + t.numel], source, tag=tag))
+            for c in range(columns):
+                ops.append(dist.P2POp(dist.irecv, result[into : into + t.numel, c], source, tag=tag * columns + c))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()

@@ -41,9 +41,11 @@ from megatron_trainer.worker.buddy_copies import BuddyCopies
 from megatron_trainer.worker.model import HeldState, TrainState, set_scheduler_steps
 from megatron_trainer.worker.optimizer_shards import (
     COLUMNS,
+    columns_of,
     distributed_optimizers,
     load_flat_shards,
     materialize,
+    rows_of,
 )
 from megatron_trainer.worker.rendezvous import Interrupted, wait_for_ranks
 from megatron_trainer.worker.reshard import BufferLayout, reshard_transfers
@@ -53,7 +55,7 @@ from megatron_trainer.worker.verify import StateMismatch
 log = logging.getLogger(__name__)
 
 STEPS_TIMEOUT_SECONDS = 120.0
-#: Tags of the relays, past those of an exchange (one per transfer, from 0).
+#: Tags of the relays, past those of an exchange (one per column of each transfer, from 0).
 _RELAY_TAG = 1 << 24
 _MAX_BUFFERS = 64
 
@@ -192,16 +194,17 @@ def restore_shards(
             continue
         group = old_group(at)
         target = new_group(at)[group.index(p) % len(new_group(at))]
-        if holder[p] == rank:
+        if holder[p] == rank:  # a shard's memory, columns apart: a view, no copy (optimizer_shards.columns_of)
             for b, t in enumerate(mine.pop(p)):
-                relays.append(dist.P2POp(dist.isend, t.contiguous(), target, tag=_RELAY_TAG + p * _MAX_BUFFERS + b))
+                tag = _RELAY_TAG + p * _MAX_BUFFERS + b
+                relays.append(dist.P2POp(dist.isend, columns_of(t), target, tag=tag))
         if target == rank:
             received[p] = []
             for b, buffer in enumerate(buffers):
                 rows = _old_layout(ts, buffer, len(group)).shard_numel
-                t = torch.empty(rows, COLUMNS, dtype=torch.float32, device=device)
-                received[p].append(t)
-                relays.append(dist.P2POp(dist.irecv, t, holder[p], tag=_RELAY_TAG + p * _MAX_BUFFERS + b))
+                memory = torch.empty(COLUMNS, rows, dtype=torch.float32, device=device)
+                received[p].append(rows_of(memory))
+                relays.append(dist.P2POp(dist.irecv, memory, holder[p], tag=_RELAY_TAG + p * _MAX_BUFFERS + b))
         holder[p] = target
     if relays:
         for request in dist.batch_isend_irecv(relays):
