@@ -94,7 +94,7 @@ def materialize(shards: list[ShardPieces]) -> list[torch.Tensor]:
                     target.zero_()
                 else:  # cat casts nothing: a precision-aware optimizer's bf16 moments are cast first
                     torch.cat([p[c] if p[c].dtype == torch.float32 else p[c].float() for p in run.parts], out=target)
-        out.append(memory.t())
+        out.append(rows_of(memory))
     return out
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_trainer.worker.optimizer_shards import rows_of
 from megatron_trainer.worker.reshard import BufferLayout, Transfer
 
 
@@ -57,7 +58,7 @@ def exchange_shards(
     mine = [r for r, p in enumerate(process_of_new) if p == me]
     if len(mine) > 1:
         raise ValueError(f"process {me} is given new dp ranks {mine}")
-    result = torch.zeros(columns, new.shard_numel, dtype=dtype, device=device).t() if mine else None
+    result = rows_of(torch.zeros(columns, new.shard_numel, dtype=dtype, device=device)) if mine else None
     ops: list[dist.P2POp] = []
     for tag, t in enumerate(transfers):
         source, dest = holder_of_old[t.source], process_of_new[t.dest]

@@ -196,8 +196,7 @@ def restore_shards(
         target = new_group(at)[group.index(p) % len(new_group(at))]
         if holder[p] == rank:  # a shard's memory, columns apart: a view, no copy (optimizer_shards.columns_of)
             for b, t in enumerate(mine.pop(p)):
-                tag = _RELAY_TAG + p * _MAX_BUFFERS + b
-                relays.append(dist.P2POp(dist.isend, columns_of(t), target, tag=tag))
+                relays.append(dist.P2POp(dist.isend, columns_of(t), target, tag=_RELAY_TAG + p * _MAX_BUFFERS + b))
         if target == rank:
             received[p] = []
             for b, buffer in enumerate(buffers):
