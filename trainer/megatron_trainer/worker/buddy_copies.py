@@ -26,9 +26,9 @@ when the plan asks for buddies. Two transports:
   the host copies are laid out the same way. On 2xH100 with a 1.1 B-parameter GPT (6.6 GB shards,
   13.4 GB into host memory per refresh at ~37 GB/s) a refresh keeps the side stream 0.36 s
   (assembly 0.006 s, own snapshot 0.15 s, exchange and the ward's copy 0.20 s) and the training
-  thread ~3-6 ms, whatever the step's length. Every step it cost +4.7-9.2 % of a 0.4 s step
-  (the step itself slows: the side stream is busy for most of it) and +0.6-7.4 % of a 1.5 s step,
-  in runs whose copy-free epochs lay up to 5 % apart; every 4 steps, at most +4.5 %. Over gloo,
+  thread ~3-6 ms, whatever the step's length. Every step it cost +4.66-9.16 % of a 0.4 s step
+  (the step itself slows: the side stream is busy for most of it) and +0.62-7.43 % of a 1.5 s step,
+  in runs whose copy-free epochs lay up to 5 % apart; every 4 steps, at most +4.52 %. Over gloo,
   every 4 steps cost +269 %. The world group
   carries no per-step collective, so the transfers wait for nothing of the step's. A sender ends
   its transfers with a token (the step); the receiver counts the copy complete only when the token
