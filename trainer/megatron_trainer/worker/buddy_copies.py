@@ -77,6 +77,9 @@ CHUNK_ELEMENTS = 64 << 20
 #: How often a wait for the GPU transport's end looks at its CUDA event.
 _EVENT_POLL_SECONDS = 0.001
 
+#: How long settling a refresh waits for its exchange's thread to return after it said done.
+_THREAD_END_SECONDS = 5.0
+
 
 #: One side stream per device for the process's life: the caching allocator keeps a stream's freed
 #: blocks for that stream, so a stream per epoch would strand a staging buffer at every re-mesh.
@@ -128,6 +131,7 @@ class _Exchange:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)  # every transfer ended
     errors: list[RuntimeError] = dataclasses.field(default_factory=list)
     exchange_s: float | None = None  # the transfers' time, once done
+    thread: threading.Thread | None = None
 
 
 class _Ended:
@@ -276,9 +280,10 @@ class BuddyCopies:
             self._exchange, end = device_exchange, device_exchange.end
         else:
             self._exchange = exchange = _Exchange()
-            threading.Thread(
+            exchange.thread = threading.Thread(
                 target=self._transfer, args=(exchange, copied, own, ward), name="buddy-copies", daemon=True
-            ).start()
+            )
+            exchange.thread.start()
         to_host = sum(t.numel() * t.element_size() for t in (*own, *ward))
         now = time.perf_counter()
         queued = now - max(self._assembled, began.host)
@@ -332,7 +337,12 @@ class BuddyCopies:
 
     def _transfer(self, exchange: _Exchange, copied: Any, own: list[torch.Tensor], ward: list[torch.Tensor]) -> None:
         """The exchange's thread: once the snapshot is in host memory, send it and receive the
-        ward's; ends when every transfer did or one failed (a dead peer, or links let go)."""
+        ward's; ends when every transfer did or one failed (a dead peer, or links let go).
+
+        Its gloo works are freed here, before ``done`` is set: a work freed later, while the
+        process group is destroyed or the interpreter exits, ended the process with ``terminate``."""
+        receives: list[dist.Work] = []
+        sends: list[dist.Work] = []
         try:
             if copied is not None:
                 copied.synchronize()  # the snapshot is whole before it is sent
@@ -342,15 +352,17 @@ class BuddyCopies:
                     raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
                 receives = [self._recv(t, i) for i, t in enumerate(ward)]
                 sends = [self._send(t, i) for i, t in enumerate(own)]
-            for request in receives:
-                request.wait()
+            while receives:  # popped: no variable keeps a work past its wait
+                receives.pop(0).wait()
             exchange.received.set()
-            for request in sends:
-                request.wait()
+            while sends:
+                sends.pop(0).wait()
             exchange.exchange_s = time.perf_counter() - began
         except RuntimeError as err:
             exchange.errors.append(err)
         finally:
+            receives.clear()  # after a failure: the works not waited for
+            sends.clear()
             exchange.done.set()
 
     def _exchange_shapes(self, shards: Sequence[torch.Tensor]) -> list[torch.Size]:
@@ -406,6 +418,8 @@ class BuddyCopies:
         return True
 
     def _settle(self, exchange: _Exchange | _DeviceExchange) -> None:
+        if isinstance(exchange, _Exchange) and exchange.thread is not None:
+            exchange.thread.join(_THREAD_END_SECONDS)  # done is set: it is returning, its works freed
         if exchange.errors:
             raise exchange.errors[0]
         self._exchange = None
