@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import gzip
 import json
 import logging
 import time
@@ -89,9 +90,15 @@ class PlanPusher:
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         """Push ``plan`` to its members (or only to ``pods`` among them), all at once."""
         session, slots = await self._get_session()
-        # Serialized once for every member: a 4096-pod plan is about a megabyte.
-        body = plan.model_dump_json(by_alias=True, exclude_none=True).encode()
-        headers = {wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}", "Content-Type": "application/json"}
+        # Serialized and compressed once for every member: a 4096-pod plan is 0.4-0.6 MB of JSON,
+        # sent to all 4096 members; gzip (level 1: ~1-3 ms) makes it 4-8 times smaller on the wire.
+        # The agents' server (aiohttp) decompresses it, and holds the result to MAX_BODY_BYTES.
+        body = gzip.compress(plan.model_dump_json(by_alias=True, exclude_none=True).encode(), compresslevel=1)
+        headers = {
+            wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}",
+            "Content-Type": "application/json",
+            "Content-Encoding": "gzip",
+        }
         targets = [m for m in plan.members if pods is None or m.pod in pods]
         return list(
             await asyncio.gather(*(self._push_one(session, slots, m, body, headers, plan.epoch) for m in targets))

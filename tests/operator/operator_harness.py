@@ -136,8 +136,24 @@ class Received:
     status: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _PushedPlan:
+    """What the recording agents read from one plan body."""
+
+    epoch: int
+    reason: str
+    resume_step: int
+    members: list[str]  # shared by every Received of this body: never changed
+    member_set: frozenset[str]
+    pod_at: dict[str, str]  # address -> pod
+
+
 class RecordingAgents:
-    """Fake agents on the pods' loopback addresses, in a background event loop."""
+    """Fake agents on the pods' loopback addresses, in a background event loop.
+
+    One process answers for every pod, so each distinct plan body is parsed once: a push sends the
+    same bytes to all members, and parsing each copy (4096 x ~0.6 MB) would make this process,
+    not the operator, what a scale benchmark measures."""
 
     def __init__(self, token: Callable[[], str | None]) -> None:
         self._token = token
@@ -150,7 +166,8 @@ class RecordingAgents:
         self.received: list[Received] = []
         self.refuse: set[str] = set()  # addresses that answer 503 (an agent not up yet)
         self.running: set[str] = set()  # pods running at the last sync
-        self.members: dict[str, set[str]] = {}  # pod -> members of the plan it holds
+        self.members: dict[str, frozenset[str]] = {}  # pod -> members of the plan it holds
+        self._parsed: dict[bytes, _PushedPlan] = {}  # the last bodies pushed (event loop thread only)
         self.mute: set[str] = set()  # pods whose heartbeats the test sends itself (or withholds)
         self.suspend_at: dict[str, int] = {}  # pod -> step of the suspend plan it holds
         # When set, members report a complete checkpoint every this many of their steps (the
@@ -187,11 +204,11 @@ class RecordingAgents:
 
     async def _serve(self, ip: str) -> web.AppRunner:
         async def plan(request: web.Request) -> web.Response:
-            body = await request.json()
+            body = self._parse(await request.read())
             auth = request.headers.get(wire.AUTH_HEADER, "")
-            epoch = int(body["epoch"])
+            epoch = body.epoch
             # The plan names the pod at this address; pod names are never re-used, addresses are.
-            pod = next((m["pod"] for m in body["members"] if m["address"] == ip), self.pod_at.get(ip))
+            pod = body.pod_at.get(ip, self.pod_at.get(ip))
             token = self._token()
             if token is None or auth != f"{wire.AUTH_SCHEME} {token}":
                 status = 403
@@ -202,17 +219,13 @@ class RecordingAgents:
                     status = 409 if epoch <= self.held.get(pod or ip, 0) else 200
                     if status == 200:
                         self.held[pod or ip] = epoch
-                        self.members[pod or ip] = {m["pod"] for m in body["members"]}
-                        if body["reason"] == "suspend":
-                            self.suspend_at[pod or ip] = int(body["resumeStep"])
+                        self.members[pod or ip] = body.member_set
+                        if body.reason == "suspend":
+                            self.suspend_at[pod or ip] = body.resume_step
                         else:
                             self.suspend_at.pop(pod or ip, None)
             with self._lock:
-                self.received.append(
-                    Received(
-                        pod, ip, epoch, body["reason"], [m["pod"] for m in body["members"]], time.monotonic(), status
-                    )
-                )
+                self.received.append(Received(pod, ip, epoch, body.reason, body.members, time.monotonic(), status))
             return web.json_response({"epoch": self.held.get(pod or ip, 0)}, status=status)
 
         app = web.Application(client_max_size=wire.MAX_BODY_BYTES)
@@ -221,6 +234,24 @@ class RecordingAgents:
         await runner.setup()
         await web.TCPSite(runner, ip, wire.AGENT_PORT, reuse_address=True).start()
         return runner
+
+    def _parse(self, raw: bytes) -> _PushedPlan:
+        parsed = self._parsed.get(raw)
+        if parsed is None:
+            body = json.loads(raw)
+            members = [m["pod"] for m in body["members"]]
+            parsed = _PushedPlan(
+                int(body["epoch"]),
+                body["reason"],
+                int(body["resumeStep"]),
+                members,
+                frozenset(members),
+                dict(reversed([(m["address"], m["pod"]) for m in body["members"]])),  # the first wins
+            )
+            if len(self._parsed) >= 8:
+                del self._parsed[next(iter(self._parsed))]  # the oldest
+            self._parsed[raw] = parsed
+        return parsed
 
     def plans_for(self, pod: str, status: int | None = 200) -> list[int]:
         """Epochs a pod accepted (or received with the given answer; None: all)."""

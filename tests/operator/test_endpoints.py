@@ -2,7 +2,7 @@
 and the conflict retry of the pod-serial reservation (API call faked: a fast unit test of one function).
 
 Scenarios: a plan goes to every member at once with the bearer token, serialized as the contract's
-wire form; 2xx and a 409 from an agent holding this epoch count as delivered; a 409 from an agent
+wire form and gzipped; 2xx and a 409 from an agent holding this epoch count as delivered; a 409 from an agent
 holding a newer epoch (the operator's status is behind it), or one for another reason (a finished
 pod, no epoch in the answer), 401/403, 5xx and a closed port do not; with more members than
 concurrent pushes, each push's timeout starts when it gets its turn; the report
@@ -43,6 +43,7 @@ async def _agent(
     ip: str, port: int, status: int, seen: list[tuple[str, dict[str, Any]]], answer: dict[str, Any] | None = None
 ) -> web.AppRunner:
     async def handle(request: web.Request) -> web.Response:
+        assert request.headers.get("Content-Encoding") == "gzip"  # aiohttp decompresses it, as in the agents
         seen.append((request.headers.get(wire.AUTH_HEADER, ""), await request.json()))
         return web.json_response(answer or {}, status=status)
 

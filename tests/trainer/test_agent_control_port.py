@@ -5,16 +5,18 @@ Scenarios:
 - before any plan: /healthz is 200, /v1/state says spare with epoch 0 and its worker's pid,
   /metrics is Prometheus text with the state series;
 - refused plans change nothing: no token or a bad token (401), garbage, an invalid mesh, another
-  job's plan (400), a declared or chunked body over the limit (413), a stale or equal epoch (409);
+  job's plan (400), a declared, chunked or decompressed body over the limit (413), a stale or
+  equal epoch (409);
   after each the epoch, state, membership and workers' phases are as before, and the worker keeps
   doing what it did (training continues, a spare stays spare);
-- a good plan naming the pod is forwarded: the worker trains, /v1/state and /metrics show the
-  epoch and steps; a newer plan that leaves the pod out turns it back into a spare;
+- a good plan naming the pod (gzipped, as the operator sends it) is forwarded: the worker trains,
+  /v1/state and /metrics show the epoch and steps; a newer plan that leaves the pod out turns it back into a spare;
 - the rendezvous TCPStore is served on the pod address and the standard port.
 """
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from agent_harness import TOKEN, AgentProcess, PodAddress, make_plan, make_spec
 from megatron_contract import wire
 
 SPEC = make_spec(replicas=2)
+GZIP = {"Content-Encoding": "gzip"}
 OTHER = PodAddress("pod-other", "127.0.0.9")
 
 
@@ -78,8 +81,10 @@ def agent(fresh_agents: FreshAgents) -> Iterator[AgentProcess]:
 
 
 def start_training(agent: AgentProcess, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Push a plan of ``epoch`` naming the pod; (the agent's answer, its state once steps show)."""
-    status, answer = agent.post_plan(make_plan(SPEC, [agent.pod, OTHER], epoch=epoch))
+    """Push a plan of ``epoch`` naming the pod, gzipped as the operator sends it; (the agent's
+    answer, its state once steps show)."""
+    body = gzip.compress(json.dumps(make_plan(SPEC, [agent.pod, OTHER], epoch=epoch).to_wire()).encode())
+    status, answer = agent.post_plan(body, headers=GZIP)
     assert status == 200, answer
     state = agent.wait_state(lambda s: s["state"] == "training" and s.get("step", 0) >= 3, 15, "training steps")
     return answer, state
@@ -131,6 +136,9 @@ def refusals(agent: AgentProcess, held_epoch: int) -> list[tuple[str, int, Any]]
         ("invalid mesh", 400, lambda: agent.post_plan(bad_mesh)[0]),
         ("other job", 400, lambda: agent.post_plan(other_job)[0]),
         ("oversized", 413, lambda: agent.post_plan(big)[0]),
+        # Small on the wire, over the limit once decompressed.
+        ("oversized gzipped", 413, lambda: agent.post_plan(gzip.compress(big), headers=GZIP)[0]),
+        ("bad gzip", 400, lambda: agent.post_plan(b"not gzip", headers=GZIP)[0]),
         ("oversized chunked", 413, lambda: post_chunked(agent, wire.MAX_BODY_BYTES + 10)),
     ]
     for stale in range(max(1, held_epoch - 1), held_epoch + 1):

@@ -48,8 +48,10 @@ async def post_plan(request: web.Request) -> web.Response:
         check_declared_size(request.content_length)
         try:
             body = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body with no declared length
+        except web.HTTPRequestEntityTooLarge:  # a chunked or compressed body: its declared length is not its size
             raise PlanRejected(413, f"body exceeds {wire.MAX_BODY_BYTES} bytes") from None
+        except web.RequestPayloadError as bad:  # not in its Content-Encoding (gzip: the operator's), or cut
+            raise PlanRejected(400, f"body unreadable: {bad}") from None
         answer = agent.accept_plan(body)
     except PlanRejected as refused:
         agent.metrics.plans.labels(code=str(refused.status)).inc()
