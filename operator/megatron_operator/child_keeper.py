@@ -63,6 +63,7 @@ class ChildKeeper:
         self.token_of = token_of
         self.expected: dict[str, float] = {}  # pods created and not yet in the index -> until when
         self.retired: set[str] = set()  # surplus pods this operator deleted (not failures)
+        self._replicas: tuple[MeshPlan, dict[str, int]] | None = None  # a plan and its members' replicas
         self.backoffs = {kind: Backoff() for kind in Child}
         self.starts = StartTracker()
         self.due = True  # set by the Service watch when the job's Service is deleted
@@ -200,7 +201,7 @@ class ChildKeeper:
             # boundary: their worker label keeps them under the PodDisruptionBudget, or a drain's
             # eviction would kill one mid-way (a step its peers commit and it does not).
             return
-        replica_of = {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}
+        replica_of = self._replica_of(plan)
         patches = []
         for p in pods:
             if p.deleting or p.name in failed or p.name in self.retired or p.role == wire.ROLE_RETIRED:
@@ -215,6 +216,12 @@ class ChildKeeper:
                 )
         if patches:
             await asyncio.gather(*patches)
+
+    def _replica_of(self, plan: MeshPlan) -> dict[str, int]:
+        """Each member's data-parallel replica: made once per plan (every pass asks; thousands of members)."""
+        if self._replicas is None or self._replicas[0] is not plan:
+            self._replicas = (plan, {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members})
+        return self._replicas[1]
 
     # -- Secret, Service, budget -------------------------------------------------------------------
 

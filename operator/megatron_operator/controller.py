@@ -712,10 +712,9 @@ class JobController:
         self.node_of = {name: node for name, node in self.node_of.items() if name in keep}
         # A node's domain is read now, not when the pod was seen: labels change (a node moved).
         key = spec.failure_domain.topology_key
-        self.placement = {
-            name: Placement(node, self.node_labels(node).get(key) if key else None)
-            for name, node in self.node_of.items()
-        }
+        # Once per node, not per pod (an index lookup each: thousands of pods share hundreds of nodes).
+        domain = {node: self.node_labels(node).get(key) if key else None for node in set(self.node_of.values())}
+        self.placement = {name: Placement(node, domain[node]) for name, node in self.node_of.items()}
 
     def _recently_down(self, nodes: dict[str, str], mono: float) -> set[str]:
         """Nodes NotReady for less than NODE_NOT_READY_GRACE_SECONDS (as this controller saw them):
