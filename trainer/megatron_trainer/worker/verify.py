@@ -40,7 +40,10 @@ class StateMismatch(RuntimeError):
 
 
 def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, interrupted: Interrupted) -> int:
-    """Publish (step, checksum) and compare with the DP and MP groups; returns the checksum.
+    """Publish (step, checksum) and compare with the DP and MP groups; returns the checksum, or 0
+    when no data-parallel peer holds this rank's shard (a mesh shrunk to one replica): there is
+    nothing to compare it with, and reading every byte of the state costs the first step ~0.07 s
+    on a 1 B model.
 
     Raises:
         StateMismatch: the group disagrees.
@@ -53,10 +56,12 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, i
             f"epoch {plan.epoch}: the learning-rate scheduler is at step {ts.scheduler.num_steps}, "
             f"the state at step {ts.step}"
         )
-    checksum = state_checksum(ts)
-    store.set(f"verify/{rank}", f"{ts.step},{checksum}")
     dp_peers = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
     mp_peers = dist.get_process_group_ranks(parallel_state.get_model_parallel_group())
+    # With expert parallelism a DP group holds ep shards of the experts: compare within a shard.
+    same_shard = [r for r in dp_peers if plan.sizes.shard_key(r) == plan.sizes.shard_key(rank)]
+    checksum = state_checksum(ts) if len(same_shard) > 1 else 0
+    store.set(f"verify/{rank}", f"{ts.step},{checksum}")
     peers = sorted(set(dp_peers) | set(mp_peers))
     keys = [f"verify/{r}" for r in peers]
     wait_for_ranks(store, "verify", peers, VERIFY_TIMEOUT_SECONDS, interrupted, "the peers' restored state")
@@ -69,8 +74,6 @@ def verify_state(ts: TrainState, plan: MeshPlan, rank: int, store: dist.Store, i
             f" ({behind} peers disagree)"
         )
     check_step(plan, ts.step)
-    # With expert parallelism a DP group holds ep shards of the experts: compare within a shard.
-    same_shard = [r for r in dp_peers if plan.sizes.shard_key(r) == plan.sizes.shard_key(rank)]
     digests = {seen[r][1] for r in same_shard}
     if len(digests) > 1:
         raise StateMismatch(f"epoch {plan.epoch}: DP group {same_shard} holds {len(digests)} different states")
