@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import kopf
 
@@ -106,11 +106,24 @@ def configure(settings: OperatorSettings, token_key: bytes | None = None) -> Reg
     return REGISTRY
 
 
+class DiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base in annotations, without deep-copying the status first: kopf drops the
+    status from the diff base anyway, and does so after copying the whole object on every event
+    of the job; at thousands of pods the status (the plan) is hundreds of kB (~9 % of the
+    operator's event loop during failures at 4096 pods)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        extra = list(extra_fields or ())
+        if not extra and "status" in body:  # a handler on a status field would need it
+            body = kopf.Body(cast(kopf.RawBody, {k: v for k, v in body.items() if k != "status"}))
+        return super().build(body=body, extra_fields=extra)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf's bookkeeping lives in annotations under our group, so status holds only our schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=wire.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=wire.GROUP)
+    settings.persistence.diffbase_storage = DiffBaseStorage(prefix=wire.GROUP)
     settings.persistence.finalizer = f"{wire.GROUP}/kopf-finalizer"
     # Only warnings of kopf's own become events; ours are posted explicitly after status writes.
     settings.posting.level = logging.WARNING

@@ -6,13 +6,14 @@ Ready; the registry routes reports to the job's controller by UID and knows its 
 with an older epoch schedules an immediate re-push and wakes the controller; a report holding the
 epoch counts as acknowledgement; a report naming a failed peer or an unhealthy agent wakes it;
 pod events wake only their job's controller; a deleted Service has only its job's controller apply
-its children at once.
+its children at once; the diff base kopf keeps is kopf's own, made without copying the status.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import kopf
 from operator_factories import JOB_UID, make_job, make_node, make_pod, make_pod_refs, make_spec
 
 from megatron_contract import wire
@@ -100,3 +101,22 @@ def test_a_deleted_service_has_its_job_apply_its_children_now() -> None:
         assert ctl.children.due and ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved
+
+
+def test_diff_base_is_kopfs_without_copying_the_status() -> None:
+    plan = plan_mesh(make_spec(replicas=4), JOB_UID, make_pod_refs(4), [], [], None).plan
+    assert plan is not None
+    raw = make_job(status={"phase": "Running", "epoch": 1, "plan": plan.to_wire()})
+    raw["metadata"]["annotations"] = {"keep": "me", f"{wire.GROUP}/last-handled-configuration": "{}"}
+    ours = handlers.DiffBaseStorage(prefix=wire.GROUP)
+    theirs = kopf.AnnotationsDiffBaseStorage(prefix=wire.GROUP)
+    body = kopf.Body(raw)
+    essence = ours.build(body=body)
+    assert essence == theirs.build(body=body) and "status" not in essence
+    assert essence["metadata"]["annotations"] == {"keep": "me"} and essence["spec"] == raw["spec"]
+    essence["spec"]["replicas"] = 99  # a copy: the object itself is untouched
+    assert raw["spec"]["replicas"] == 4
+    # A handler on a status field gets it in the diff base, as from kopf's own.
+    fields = [("status", "phase")]
+    assert ours.build(body=body, extra_fields=fields) == theirs.build(body=body, extra_fields=fields)
+    assert ours.build(body=body, extra_fields=fields)["status"] == {"phase": "Running"}
