@@ -638,7 +638,7 @@ def _rendezvous_host(members: list[PlanMember], keeps: frozenset[int], store_hos
     # quadratic, ~1 s of every replacement's planning at 1024 pods.
     by_name = {m.pod: m for m in members}
     fresh = [by_name[name] for name in store_hosts if name in by_name]
-    keepers = {m.pod for m in members if any(r in keeps for r in m.ranks)}
-    first_keeper = [m for m in members if m.pod in keepers][:1]
-    fresh_keepers = [m for m in fresh if m.pod in keepers][:1]
-    return (fresh_keepers or fresh or first_keeper or members)[0].address
+    keepers = [m for m in members if any(r in keeps for r in m.ranks)]
+    keeper_pods = {m.pod for m in keepers}
+    fresh_keepers = [m for m in fresh if m.pod in keeper_pods]
+    return (fresh_keepers or fresh or keepers or members)[0].address

@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import gzip
 import json
 import os
@@ -149,6 +150,21 @@ class _PushedPlan:
     pod_at: dict[str, str]  # address -> pod
 
 
+@functools.lru_cache(maxsize=8)
+def _parse_plan(raw: bytes, encoding: str) -> _PushedPlan:
+    """A plan body as the recording agents read it: once per distinct body (the last few)."""
+    body = json.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
+    members = [m["pod"] for m in body["members"]]
+    return _PushedPlan(
+        int(body["epoch"]),
+        body["reason"],
+        int(body["resumeStep"]),
+        members,
+        frozenset(members),
+        dict(reversed([(m["address"], m["pod"]) for m in body["members"]])),  # the first wins
+    )
+
+
 class RecordingAgents:
     """Fake agents on the pods' loopback addresses, in a background event loop.
 
@@ -168,7 +184,6 @@ class RecordingAgents:
         self.refuse: set[str] = set()  # addresses that answer 503 (an agent not up yet)
         self.running: set[str] = set()  # pods running at the last sync
         self.members: dict[str, frozenset[str]] = {}  # pod -> members of the plan it holds
-        self._parsed: dict[bytes, _PushedPlan] = {}  # the last bodies pushed (event loop thread only)
         self.mute: set[str] = set()  # pods whose heartbeats the test sends itself (or withholds)
         self.suspend_at: dict[str, int] = {}  # pod -> step of the suspend plan it holds
         # When set, members report a complete checkpoint every this many of their steps (the
@@ -205,7 +220,7 @@ class RecordingAgents:
 
     async def _serve(self, ip: str) -> web.AppRunner:
         async def plan(request: web.Request) -> web.Response:
-            body = self._parse(await request.read(), request.headers.get("Content-Encoding", ""))
+            body = _parse_plan(await request.read(), request.headers.get("Content-Encoding", ""))
             auth = request.headers.get(wire.AUTH_HEADER, "")
             epoch = body.epoch
             # The plan names the pod at this address; pod names are never re-used, addresses are.
@@ -236,24 +251,6 @@ class RecordingAgents:
         await runner.setup()
         await web.TCPSite(runner, ip, wire.AGENT_PORT, reuse_address=True).start()
         return runner
-
-    def _parse(self, raw: bytes, encoding: str) -> _PushedPlan:
-        parsed = self._parsed.get(raw)
-        if parsed is None:
-            body = json.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
-            members = [m["pod"] for m in body["members"]]
-            parsed = _PushedPlan(
-                int(body["epoch"]),
-                body["reason"],
-                int(body["resumeStep"]),
-                members,
-                frozenset(members),
-                dict(reversed([(m["address"], m["pod"]) for m in body["members"]])),  # the first wins
-            )
-            if len(self._parsed) >= 8:
-                del self._parsed[next(iter(self._parsed))]  # the oldest
-            self._parsed[raw] = parsed
-        return parsed
 
     def plans_for(self, pod: str, status: int | None = 200) -> list[int]:
         """Epochs a pod accepted (or received with the given answer; None: all)."""
