@@ -20,7 +20,7 @@ from megatron_contract.job import ConditionType, MegatronJobSpec, MegatronJobSta
 from megatron_contract.mesh import MeshPlan, PlanReason
 from megatron_operator import builders, kube, queueing
 from megatron_operator.builders import JobRef
-from megatron_operator.children import Backoff, Child, StartTracker, verdict
+from megatron_operator.children import Backoff, Child, LabelRequests, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.queueing import Gate
@@ -64,6 +64,8 @@ class ChildKeeper:
         self.expected: dict[str, float] = {}  # pods created and not yet in the index -> until when
         self.retired: set[str] = set()  # surplus pods this operator deleted (not failures)
         self._replicas: tuple[MeshPlan, dict[str, int]] | None = None  # a plan and its members' replicas
+        self.labels = LabelRequests()
+        self._relabelling: set[asyncio.Task[None]] = set()  # patches sent beside the passes
         self.backoffs = {kind: Backoff() for kind in Child}
         self.starts = StartTracker()
         self.due = True  # set by the Service watch when the job's Service is deleted
@@ -202,20 +204,46 @@ class ChildKeeper:
             # eviction would kill one mid-way (a step its peers commit and it does not).
             return
         replica_of = self._replica_of(plan)
-        patches = []
+        now = time.monotonic()
+        patches: list[tuple[str, dict[str, str | None]]] = []
         for p in pods:
             if p.deleting or p.name in failed or p.name in self.retired or p.role == wire.ROLE_RETIRED:
                 continue
             role = wire.ROLE_WORKER if p.name in replica_of else wire.ROLE_SPARE
             replica = str(replica_of[p.name]) if p.name in replica_of else None
-            if p.role != role or p.replica != replica:
-                patches.append(
-                    kube.patch_pod_labels(
-                        self.job.namespace, p.name, builders.role_labels(role, replica_of.get(p.name))
-                    )
-                )
+            labels = builders.role_labels(role, replica_of.get(p.name))
+            if self.labels.due(p.name, labels, p.role == role and p.replica == replica, now):
+                patches.append((p.name, labels))
+        if self.labels.pending():
+            self.labels.keep_only({p.name for p in pods})
         if patches:
-            await asyncio.gather(*patches)
+            # Beside the passes, not in them: a new mesh can relabel thousands of pods (every
+            # replica label after a shrink); the first plan of a 1,024-pod job took a pass ~7 s
+            # of patches, during which it could act on no other failure.
+            task = asyncio.create_task(self._relabel_all(patches))
+            self._relabelling.add(task)
+            task.add_done_callback(self._relabelling.discard)
+
+    async def _relabel_all(self, patches: list[tuple[str, dict[str, str | None]]]) -> None:
+        errors = await asyncio.gather(*(self._relabel(name, labels) for name, labels in patches))
+        failed = [error for error in errors if error is not None]
+        if failed:  # asked again once LABEL_RESEND_SECONDS have passed
+            self._log("could not relabel %d of %d pods; first: %s", len(failed), len(patches), failed[0])
+
+    async def _relabel(self, name: str, labels: dict[str, str | None]) -> str | None:
+        try:
+            await kube.patch_pod_labels(self.job.namespace, name, labels)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return f"{name}: {kube.error_message(exc)}"
+        return None
+
+    async def close(self) -> None:
+        """Stop the label patches still on their way (the job is gone, or this operator stops)."""
+        for task in list(self._relabelling):
+            task.cancel()
+        await asyncio.gather(*self._relabelling, return_exceptions=True)
 
     def _replica_of(self, plan: MeshPlan) -> dict[str, int]:
         """Each member's data-parallel replica: made once per plan (every pass asks; thousands of members)."""

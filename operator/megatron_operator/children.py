@@ -27,6 +27,8 @@ START_GRACE_SECONDS = 30.0
 FORGET_UNSEEN_SECONDS = 600.0
 BASE_DELAY_SECONDS = 1.0
 MAX_DELAY_SECONDS = 60.0
+#: A pod's labels asked for and not yet seen on it are not asked for again before this.
+LABEL_RESEND_SECONDS = 30.0
 
 
 class Child(enum.StrEnum):
@@ -178,3 +180,39 @@ def verdict(backoffs: Mapping[Child, Backoff], cleared_reason: str) -> Verdict:
         f"{c.value}: {backoffs[c].failures} failures in a row, last: {backoffs[c].error}" for c in failing
     )
     return Verdict(True, backoffs[failing[0]].reason, message[:4000])
+
+
+class LabelRequests:
+    """The labels asked of each pod and not yet seen on it, so that no pass asks again meanwhile.
+
+    A pass relabels the pods whose labels differ from the plan in force, as the pod index shows
+    them; the index lags the API server by the watch events still queued (seconds, under load).
+    Without this, every pass sent the patches of the passes before it again: after the first plan
+    of a 1,024-pod job thousands of patches, each a pod event that woke the job for another pass.
+    A patch not seen within :data:`LABEL_RESEND_SECONDS` (it failed, or someone changed the
+    label back) is sent again.
+    """
+
+    def __init__(self) -> None:
+        self._asked: dict[str, tuple[Mapping[str, str | None], float]] = {}
+
+    def due(self, pod: str, labels: Mapping[str, str | None], shown: bool, now: float) -> bool:
+        """Whether to send ``labels`` to ``pod`` now: they are not ``shown`` on it and were not
+        asked for lately (recorded as asked for when so)."""
+        if shown:
+            self._asked.pop(pod, None)
+            return False
+        asked = self._asked.get(pod)
+        if asked is not None and asked[0] == labels and now - asked[1] < LABEL_RESEND_SECONDS:
+            return False
+        self._asked[pod] = (labels, now)
+        return True
+
+    def keep_only(self, pods: Container[str]) -> None:
+        """Forget the pods not among ``pods`` (deleted)."""
+        if self._asked:
+            self._asked = {p: v for p, v in self._asked.items() if p in pods}
+
+    def pending(self) -> int:
+        """How many pods were asked for labels they do not show yet."""
+        return len(self._asked)

@@ -240,6 +240,7 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
     try:
         await ctl.run(stopped)
     finally:
+        await ctl.children.close()
         REGISTRY.by_uid.pop(job.uid, None)
         if REGISTRY.by_key.get(key) is ctl:
             REGISTRY.by_key.pop(key, None)

@@ -10,6 +10,9 @@ Scenarios:
   grace counts as a failed start; one that stays ready past the grace, or succeeds, has started; a
   pod retired on purpose counts as neither; a pod not in the index yet waits, and is forgotten if
   it never shows up;
+- label patches: labels asked of a pod are not asked again while the index has not caught up
+  (for LABEL_RESEND_SECONDS: a failed patch is sent again then), but at once when they change or
+  were seen and changed back;
 - the verdict: no condition while nothing is reportable; the first reportable child's reason and
   every reportable child's last error otherwise;
 - PodFacts keeps the reason a container waits for (CreateContainerConfigError: Secret missing);
@@ -30,11 +33,13 @@ from megatron_operator import kube
 from megatron_operator.children import (
     BASE_DELAY_SECONDS,
     FORGET_UNSEEN_SECONDS,
+    LABEL_RESEND_SECONDS,
     MAX_DELAY_SECONDS,
     REPORT_AFTER,
     START_GRACE_SECONDS,
     Backoff,
     Child,
+    LabelRequests,
     StartOutcome,
     StartTracker,
     delay_after,
@@ -161,3 +166,26 @@ def test_the_operator_refuses_to_start_without_a_usable_key(
     monkeypatch.setenv("MEGATRON_OPERATOR_TOKEN_KEY_FILE", str(tmp_path / "absent"))
     assert main([]) == 2
     assert "cannot read the token key file" in caplog.text
+
+
+def test_labels_asked_for_are_not_asked_again_until_seen_or_stale() -> None:
+    requests = LabelRequests()
+    worker = {"role": "worker", "replica": "3"}
+    assert requests.due("a", worker, shown=False, now=0.0)
+    # The pod index has not caught up: the next passes do not send the same patch again.
+    assert not requests.due("a", worker, shown=False, now=1.0)
+    assert not requests.due("a", dict(worker), shown=False, now=LABEL_RESEND_SECONDS - 0.1)
+    # Other labels (a new plan) are sent at once; so is the same one once it is stale.
+    spare = {"role": "spare", "replica": None}
+    assert requests.due("a", spare, shown=False, now=2.0)
+    assert not requests.due("a", spare, shown=False, now=3.0)
+    assert requests.due("a", spare, shown=False, now=2.0 + LABEL_RESEND_SECONDS)
+    # Seen on the pod: forgotten, so a later change (a person's edit) is patched back at once.
+    assert not requests.due("a", spare, shown=True, now=40.0)
+    assert requests.pending() == 0
+    assert requests.due("a", spare, shown=False, now=41.0)
+    # Deleted pods are forgotten.
+    assert requests.due("b", worker, shown=False, now=42.0)
+    requests.keep_only({"b"})
+    assert requests.pending() == 1
+    assert not requests.due("b", worker, shown=False, now=43.0)
