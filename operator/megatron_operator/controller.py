@@ -223,7 +223,9 @@ class JobController:
                 if not set_up:
                     await self._setup()
                     set_up = True
+                started = time.monotonic()
                 await self.reconcile_once()
+                metrics.RECONCILE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
                 failures_in_a_row = 0
             except asyncio.CancelledError:
                 raise

@@ -36,6 +36,12 @@ PUSH_SECONDS = Histogram(
     JOB_LABELS,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
 )
+RECONCILE_SECONDS = Histogram(
+    "megatron_operator_reconcile_seconds",
+    "One reconcile pass of a job: observe, decide, act, write the status.",
+    JOB_LABELS,
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+)
 EPOCH = Gauge("megatron_operator_plan_epoch", "Epoch of the plan in force.", JOB_LABELS)
 DP = Gauge("megatron_operator_mesh_dp", "Data-parallel size of the plan in force.", JOB_LABELS)
 SPARES_READY = Gauge("megatron_operator_spares_ready", "Hot spares running whose workers are warm.", JOB_LABELS)
@@ -68,6 +74,7 @@ LOST_CAUSES = tuple(LostTime.model_fields)
 _JOB_ONLY = (
     RECOVERY_SECONDS,
     PUSH_SECONDS,
+    RECONCILE_SECONDS,
     EPOCH,
     DP,
     SPARES_READY,
