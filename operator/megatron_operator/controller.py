@@ -81,6 +81,17 @@ def _created(body: Any) -> float:
 
 
 @dataclasses.dataclass
+class _EpochReports:
+    """What the reports of one epoch's members said so far. Every report asks (thousands of members,
+    a report each every heartbeat interval): the members' names are not gathered from the plan for
+    each one, and only the last member's first step wakes the job, not every step before it."""
+
+    epoch: int
+    members: frozenset[str]
+    stepped: set[str] = dataclasses.field(default_factory=set)  # reported a step of the epoch
+
+
+@dataclasses.dataclass
 class _Pass:
     """What one reconcile pass knows, and what it has decided so far."""
 
@@ -159,6 +170,7 @@ class JobController:
         self.token_key = token_key  # the job's token is derived from it (token.py)
         self.resume_started: float | None = None  # monotonic time a suspended job was asked to resume
         self.children = ChildKeeper(job, settings, book, nodes, self._spec, lambda: self.token)
+        self._heard = _EpochReports(0, frozenset())
 
     # -- wiring ----------------------------------------------------------------------------------
 
@@ -190,7 +202,9 @@ class JobController:
     def accept_reports(self, reports: Iterable[AgentReport]) -> int:
         """Agent reports of this job (already stored in the book): wake for anything that matters."""
         plan = self.plan
-        members = {m.pod for m in plan.members} if plan is not None else set()
+        if plan is not None and self._heard.epoch != plan.epoch:
+            self._heard = _EpochReports(plan.epoch, frozenset(m.pod for m in plan.members))
+        members, stepped = self._heard.members, self._heard.stepped
         for report in reports:
             metrics.REPORTS.labels(**self._labels).inc()
             if report.failed_peers or not report.healthy or report.suspend_step is not None or report.suspend_error:
@@ -200,9 +214,11 @@ class JobController:
             if report.epoch > plan.epoch:
                 self.wake.set()  # the status is behind this agent: the next pass holds (skew.py)
             elif self.delivery.reported(report.pod, report.epoch, plan):
-                self.wake.set()  # it holds the plan now, or it is behind: push again now
+                self.wake.set()  # it is behind: push again now
             if report.epoch == plan.epoch and report.step is not None and self.status.committed_epoch < plan.epoch:
-                self.wake.set()  # maybe the last member's first step: the job trains again
+                stepped.add(report.pod)
+                if len(stepped) >= len(members):
+                    self.wake.set()  # every member stepped in this epoch: the job trains again
         return plan.epoch if plan is not None else 0
 
     # -- the loop ----------------------------------------------------------------------------------

@@ -53,11 +53,11 @@ class PlanDelivery:
             self.push_due = {m.pod: 0.0 for m in plan.members}
 
     def reported(self, pod: str, epoch: int, plan: MeshPlan) -> bool:
-        """An agent of ``plan`` reported holding ``epoch``; whether that is news to act on now."""
+        """An agent of ``plan`` reported holding ``epoch``; whether that is news to act on now: only
+        an agent behind the plan is (one that holds it needs no pass: the next push leaves it out)."""
         if epoch == plan.epoch:
-            if pod not in self.acked and self.acked_epoch == plan.epoch:
+            if self.acked_epoch == plan.epoch:
                 self.acked.add(pod)
-                return True
             return False
         # The agent is behind (it missed a push, or restarted): send the plan again now.
         self.acked.discard(pod)

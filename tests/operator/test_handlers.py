@@ -4,7 +4,8 @@ with no API server: a fast test of each handler function.
 Scenarios: the pod index keys pods by (namespace, job) and keeps their facts; the node index keeps
 Ready; the registry routes reports to the job's controller by UID and knows its token; a report
 with an older epoch schedules an immediate re-push and wakes the controller; a report holding the
-epoch counts as acknowledgement; a report naming a failed peer or an unhealthy agent wakes it;
+epoch counts as acknowledgement and wakes nobody, nor does a member's step of the plan's epoch
+until the last member's; a report naming a failed peer or an unhealthy agent wakes it;
 pod events wake only their job's controller; a deleted Service has only its job's controller apply
 its children at once; the diff base kopf keeps is kopf's own, made without copying the status.
 """
@@ -55,8 +56,20 @@ def test_reports_route_to_the_controller() -> None:
     registry, ctl = _registry_with_job()
     assert registry.token_for(JOB_UID) == "tok" and registry.token_for("other") is None
     assert registry.accept_reports(JOB_UID, [_report("p0", 1)]) == 1
-    assert ctl.delivery.acked == {"p0"} and ctl.wake.is_set()
+    # Held: acknowledged, and nothing for a pass to do before its time (the next push leaves it out).
+    assert ctl.delivery.acked == {"p0"} and not ctl.wake.is_set()
     assert registry.book.last(JOB_UID, "p0") is not None
+
+
+def test_only_the_last_members_first_step_wakes_the_controller() -> None:
+    registry, ctl = _registry_with_job()
+    assert ctl.status.committed_epoch < 1  # the plan's epoch has not trained yet
+    registry.accept_reports(JOB_UID, [_report("p0", 1, step=5), _report("p0", 1, step=6)])
+    assert not ctl.wake.is_set()
+    registry.accept_reports(JOB_UID, [_report("spare-9", 1, step=5)])  # not a member
+    assert not ctl.wake.is_set()
+    registry.accept_reports(JOB_UID, [_report("p1", 1, step=5)])
+    assert ctl.wake.is_set()
 
 
 def test_older_epoch_schedules_a_push_now() -> None:
