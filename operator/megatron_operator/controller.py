@@ -424,7 +424,12 @@ class JobController:
             fresh=self.book.fresh(uid, watched, fresh_age, mono),
             quiet=set(watched) - set(self.book.fresh(uid, watched, 2 * fd.heartbeat_interval_seconds, mono)),
             checkpoint_unusable=self.book.checkpoint_unusable(uid),
-            copy_steps=self.book.replica_steps(uid, plan.epoch) if plan is not None else {},
+            # Only the distributed optimizer's shards have host copies (a dict of every pod per pass).
+            copy_steps=(
+                self.book.replica_steps(uid, plan.epoch)
+                if plan is not None and p.spec.training.optimizer.distributed
+                else {}
+            ),
             suspend_outcome=(
                 self.book.suspend_outcome(uid, members, plan.epoch)
                 if plan is not None and plan.reason is PlanReason.SUSPEND

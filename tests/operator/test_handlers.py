@@ -5,9 +5,11 @@ Scenarios: the pod index keys pods by (namespace, job) and keeps their facts; th
 Ready; the registry routes reports to the job's controller by UID and knows its token; a report
 with an older epoch schedules an immediate re-push and wakes the controller; a report holding the
 epoch counts as acknowledgement and wakes nobody, nor does a member's step of the plan's epoch
-until the last member's; a report naming a failed peer or an unhealthy agent wakes it;
-pod events wake only their job's controller; a deleted Service has only its job's controller apply
-its children at once; the diff base kopf keeps is kopf's own, made without copying the status.
+until the last member's; a report naming a failed peer or an unhealthy agent wakes it; pod events
+wake only their job's controller, and only when the pod is new or gone or a fact the operator keeps
+of it changed other than the role and replica labels it sets itself; a deleted Service has only its
+job's controller apply its children at once; the diff base kopf keeps is kopf's own, made without
+copying the status.
 """
 
 from __future__ import annotations
@@ -90,13 +92,44 @@ def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
         assert ctl.wake.is_set()
 
 
+def _pod_event(pod: dict[str, Any], type: str | None = "MODIFIED") -> None:
+    labels = pod["metadata"]["labels"]
+    handlers.pod_event(type=type, namespace="ns", labels=labels, body=pod, pods_by_job={})  # type: ignore[arg-type]
+
+
 def test_pod_events_wake_only_their_job() -> None:
     registry, ctl = _registry_with_job()
     handlers.REGISTRY, saved = registry, handlers.REGISTRY
     try:
-        handlers.pod_event(namespace="ns", labels={wire.LABEL_JOB: "other"}, pods_by_job={})
+        _pod_event(make_pod("other-0", job="other"), None)
         assert not ctl.wake.is_set()
-        handlers.pod_event(namespace="ns", labels={wire.LABEL_JOB: "job"}, pods_by_job={})
+        _pod_event(make_pod("job-0"), None)
+        assert ctl.wake.is_set()
+    finally:
+        handlers.REGISTRY = saved
+
+
+def test_pod_events_that_change_no_fact_or_only_the_operators_labels_wake_nobody() -> None:
+    registry, ctl = _registry_with_job()
+    handlers.REGISTRY, saved = registry, handlers.REGISTRY
+    try:
+        pod = make_pod("job-0", role=wire.ROLE_SPARE)
+        _pod_event(pod, None)  # the initial listing
+        ctl.wake.clear()
+        pod["metadata"]["labels"] |= {wire.LABEL_ROLE: wire.ROLE_WORKER, wire.LABEL_REPLICA: "0"}
+        pod["metadata"]["annotations"] = {"seen": "by kopf"}
+        _pod_event(pod)
+        assert not ctl.wake.is_set()
+        for change in (
+            make_pod("job-0", phase="Failed"),
+            make_pod("job-0", node="gpu-1"),
+            make_pod("job-0", deleting=True),
+            make_pod("job-0", uid="uid-job-0-again"),  # a new pod of the same name
+        ):
+            _pod_event(change)
+            assert ctl.wake.is_set()
+            ctl.wake.clear()
+        _pod_event(make_pod("job-0", deleting=True), "DELETED")
         assert ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved
