@@ -57,7 +57,7 @@ class PlanDelivery:
         an agent behind the plan is (one that holds it needs no pass: the next push leaves it out)."""
         if epoch == plan.epoch:
             if self.acked_epoch == plan.epoch:
-                self.acked.add(pod)
+                self._held(pod)
             return False
         # The agent is behind (it missed a push, or restarted): send the plan again now.
         self.acked.discard(pod)
@@ -65,8 +65,15 @@ class PlanDelivery:
         return True
 
     def due_in(self, now: float) -> list[float]:
-        """Seconds until each pending push."""
-        return [t - now for t in self.push_due.values()]
+        """Seconds until each pending push (to a member that does not hold the plan)."""
+        return [t - now for pod, t in self.push_due.items() if pod not in self.acked]
+
+    def _held(self, pod: str) -> None:
+        # Held, however it got there: no push is due to it any more. A retry left scheduled for a
+        # member that holds the plan made every pass the last (a pass every 50 ms, for good).
+        self.acked.add(pod)
+        self.push_due.pop(pod, None)
+        self.push_backoff.pop(pod, None)
 
     def live_ahead(self, live: Iterable[str]) -> dict[str, int]:
         """The epochs held by agents (of pods in ``live``) that refused a push as behind them."""
@@ -130,10 +137,8 @@ class PlanDelivery:
 
     def _settle(self, o: PushOutcome) -> bool:
         """Note one push's outcome; whether it was delivered."""
-        if o.result.delivered:
-            self.acked.add(o.pod)
-            self.push_due.pop(o.pod, None)
-            self.push_backoff.pop(o.pod, None)
+        if o.result.delivered or o.pod in self.acked:  # delivered, or reported held meanwhile
+            self._held(o.pod)
             return True
         if o.result is PushResult.AHEAD and o.held_epoch is not None:
             # Never pushed again: pushing, or planning past it, would fight the job (skew.py).

@@ -46,6 +46,7 @@ class Registry:
         self.workloads: dict[tuple[str, str], Mapping[str, Any]] = {}  # Kueue Workloads by job (watched)
         self.runner: Any = None
         self._pod_facts: dict[str, PodFacts] = {}  # by pod UID: the facts of its last event
+        self._node_facts: dict[str, tuple[str, dict[str, str], bool]] = {}  # by node: ready, labels, draining
 
     # ReportSink
     def token_for(self, job_uid: str) -> str | None:
@@ -93,6 +94,18 @@ class Registry:
         old = self._pod_facts.get(facts.uid)
         self._pod_facts[facts.uid] = facts
         return old is None or dataclasses.replace(old, role=facts.role, replica=facts.replica) != facts
+
+    def node_changed(self, type: str | None, name: str, body: Mapping[str, Any]) -> bool:
+        """Whether a node event may change a decision: the node is new or gone, or its readiness,
+        labels (failure domains) or draining state changed. Kubelets and kwok rewrite node status
+        on their own schedule (thousands of nodes: events every second), each waking every job."""
+        if type == "DELETED":
+            self._node_facts.pop(name, None)
+            return True
+        facts = (node_ready_status(body), dict(body.get("metadata", {}).get("labels") or {}), node_draining(body))
+        old = self._node_facts.get(name)
+        self._node_facts[name] = facts
+        return facts != old
 
     def wake(self, namespace: str, name: str) -> None:
         ctl = self.by_key.get((namespace, name))
@@ -222,11 +235,12 @@ def workload_event(
 
 
 @kopf.on.event("nodes")
-def node_event(type: str | None, **kwargs: Any) -> None:
+def node_event(type: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]
     REGISTRY.node_labels_index = kwargs["node_labels"]
     REGISTRY.node_draining_index = kwargs["node_draining_state"]
-    if type is not None:  # not the initial listing
+    changed = REGISTRY.node_changed(type, name, body)
+    if type is not None and changed:  # not the initial listing
         REGISTRY.wake_all()
 
 

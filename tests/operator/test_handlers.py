@@ -4,10 +4,12 @@ with no API server: a fast test of each handler function.
 Scenarios: the pod index keys pods by (namespace, job) and keeps their facts; the node index keeps
 Ready; the registry routes reports to the job's controller by UID and knows its token; a report
 with an older epoch schedules an immediate re-push and wakes the controller; a report holding the
-epoch counts as acknowledgement and wakes nobody, nor does a member's step of the plan's epoch
-until the last member's; a report naming a failed peer or an unhealthy agent wakes it; pod events
+epoch counts as acknowledgement (no push is due to it any more, not even a retry of a push that
+failed meanwhile) and wakes nobody, nor does a member's step of the plan's epoch until the last
+member's; a report naming a failed peer or an unhealthy agent wakes it; pod events
 wake only their job's controller, and only when the pod is new or gone or a fact the operator keeps
-of it changed other than the role and replica labels it sets itself; a deleted Service has only its
+of it changed other than the role and replica labels it sets itself; node events wake every job
+only when a node's readiness, labels or draining state changed; a deleted Service has only its
 job's controller apply its children at once; the diff base kopf keeps is kopf's own, made without
 copying the status.
 """
@@ -25,6 +27,7 @@ from megatron_operator import handlers
 from megatron_operator.builders import JobRef
 from megatron_operator.controller import JobController
 from megatron_operator.planner import plan_mesh
+from megatron_operator.push import PushOutcome, PushResult
 from megatron_operator.settings import OperatorSettings
 
 
@@ -61,6 +64,19 @@ def test_reports_route_to_the_controller() -> None:
     # Held: acknowledged, and nothing for a pass to do before its time (the next push leaves it out).
     assert ctl.delivery.acked == {"p0"} and not ctl.wake.is_set()
     assert registry.book.last(JOB_UID, "p0") is not None
+
+
+def test_a_member_that_reports_the_plan_is_due_no_push() -> None:
+    registry, ctl = _registry_with_job()
+    ctl.delivery.push_due = {"p0": 5.0, "p1": 7.0}  # retries after failed pushes
+    ctl.delivery.push_backoff = {"p0": 1.0, "p1": 1.0}
+    registry.accept_reports(JOB_UID, [_report("p0", 1)])
+    assert ctl.delivery.push_due == {"p1": 7.0} and ctl.delivery.due_in(4.0) == [3.0]
+    # A push that failed for a member which reported the plan meanwhile schedules no retry.
+    ctl.delivery.acked.add("p1")
+    failed = PushOutcome("p1", PushResult.ERROR, "TimeoutError", 5.0)
+    assert ctl.delivery._settle(failed)
+    assert ctl.delivery.push_due == {} and ctl.delivery.due_in(4.0) == []
 
 
 def test_only_the_last_members_first_step_wakes_the_controller() -> None:
@@ -104,6 +120,38 @@ def test_pod_events_wake_only_their_job() -> None:
         _pod_event(make_pod("other-0", job="other"), None)
         assert not ctl.wake.is_set()
         _pod_event(make_pod("job-0"), None)
+        assert ctl.wake.is_set()
+    finally:
+        handlers.REGISTRY = saved
+
+
+def _node_event(node: dict[str, Any], type: str | None = "MODIFIED") -> None:
+    handlers.node_event(
+        type=type, name=node["metadata"]["name"], body=node, node_readiness={}, node_labels={}, node_draining_state={}
+    )  # type: ignore[arg-type]
+
+
+def test_node_events_wake_the_jobs_only_when_readiness_labels_or_draining_change() -> None:
+    registry, ctl = _registry_with_job()
+    handlers.REGISTRY, saved = registry, handlers.REGISTRY
+    try:
+        node = make_node("gpu-1")
+        _node_event(node, None)  # the initial listing
+        assert not ctl.wake.is_set()
+        node["status"]["conditions"][0]["lastHeartbeatTime"] = "2026-01-01T00:00:10Z"  # a kubelet's heartbeat
+        _node_event(node)
+        assert not ctl.wake.is_set()
+        for change in (
+            make_node("gpu-1", "Unknown"),
+            make_node("gpu-1", "Unknown") | {"metadata": {"name": "gpu-1", "labels": {"zone": "b"}}},
+            make_node("gpu-1", "Unknown")
+            | {"metadata": {"name": "gpu-1", "labels": {"zone": "b"}}}
+            | {"spec": {"unschedulable": True}},
+        ):
+            _node_event(change)
+            assert ctl.wake.is_set()
+            ctl.wake.clear()
+        _node_event(make_node("gpu-1"), "DELETED")
         assert ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved
