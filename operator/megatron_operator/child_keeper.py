@@ -231,6 +231,8 @@ class ChildKeeper:
             self._log("could not relabel %d of %d pods; first: %s", len(failed), len(patches), failed[0])
 
     async def _relabel(self, name: str, labels: dict[str, str | None]) -> str | None:
+        if name in self.retired:  # retired by a pass since this one asked: its label says so
+            return None
         try:
             await kube.patch_pod_labels(self.job.namespace, name, labels)
         except asyncio.CancelledError:

@@ -45,7 +45,7 @@ class Registry:
         self.node_draining_index: Any = None
         self.workloads: dict[tuple[str, str], Mapping[str, Any]] = {}  # Kueue Workloads by job (watched)
         self.runner: Any = None
-        self._pod_facts: dict[str, PodFacts] = {}  # by pod UID: the facts of its last event
+        self._pod_facts: dict[tuple[str, str], dict[str, PodFacts]] = {}  # by job, by pod UID: its last event's
         self._node_facts: dict[str, tuple[str, dict[str, str], bool]] = {}  # by node: ready, labels, draining
 
     # ReportSink
@@ -82,18 +82,23 @@ class Registry:
     def workload_of(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         return self.workloads.get((namespace, name))
 
-    def pod_changed(self, type: str | None, body: Mapping[str, Any]) -> bool:
+    def pod_changed(self, type: str | None, job: tuple[str, str], body: Mapping[str, Any]) -> bool:
         """Whether a pod event may change a decision: the pod is new or gone, or the facts the
         operator keeps of it changed other than its role and replica labels (the operator sets
         those itself; a pass corrects them within its resync). A job's first plan relabels every
         pod: at 4096 pods each of those events woke a pass of hundreds of milliseconds."""
         facts = PodFacts.of(body)
+        known = self._pod_facts.setdefault(job, {})
         if type == "DELETED":
-            self._pod_facts.pop(facts.uid, None)
+            known.pop(facts.uid, None)
             return True
-        old = self._pod_facts.get(facts.uid)
-        self._pod_facts[facts.uid] = facts
+        old = known.get(facts.uid)
+        known[facts.uid] = facts
         return old is None or dataclasses.replace(old, role=facts.role, replica=facts.replica) != facts
+
+    def forget_pods(self, job: tuple[str, str]) -> None:
+        """Drop what pod events said of a job's pods (the job is gone, or another replica leads)."""
+        self._pod_facts.pop(job, None)
 
     def node_changed(self, type: str | None, name: str, body: Mapping[str, Any]) -> bool:
         """Whether a node event may change a decision: the node is new or gone, or its readiness,
@@ -202,8 +207,9 @@ def pod_event(
     type: str | None, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **kwargs: Any
 ) -> None:
     REGISTRY.pods_index = kwargs["pods_by_job"]
-    if REGISTRY.pod_changed(type, body):
-        REGISTRY.wake(namespace or "", labels[wire.LABEL_JOB])
+    job = (namespace or "", labels[wire.LABEL_JOB])
+    if REGISTRY.pod_changed(type, job, body):
+        REGISTRY.wake(*job)
 
 
 @kopf.on.event("services", labels={wire.LABEL_JOB: kopf.PRESENT})
@@ -276,5 +282,6 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **kwargs: Any
         REGISTRY.by_uid.pop(job.uid, None)
         if REGISTRY.by_key.get(key) is ctl:
             REGISTRY.by_key.pop(key, None)
+            REGISTRY.forget_pods(key)
             metrics.forget_job(*key)
         REGISTRY.book.forget(job.uid)

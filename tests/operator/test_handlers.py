@@ -179,6 +179,15 @@ def test_pod_events_that_change_no_fact_or_only_the_operators_labels_wake_nobody
             ctl.wake.clear()
         _pod_event(make_pod("job-0", deleting=True), "DELETED")
         assert ctl.wake.is_set()
+        # What the events said is kept per job, and dropped with the job's controller.
+        pod = make_pod("job-1")
+        _pod_event(pod)
+        ctl.wake.clear()
+        _pod_event(pod)
+        assert not ctl.wake.is_set()
+        registry.forget_pods(("ns", "job"))
+        _pod_event(pod)
+        assert ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved
 
