@@ -52,6 +52,7 @@ from megatron_contract.mesh import (
 )
 from megatron_contract.wire import AGENT_PORT, RENDEZVOUS_PORT
 from megatron_operator.optimizer_sources import optimizer_sources
+from megatron_operator.per_plan import PerPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,25 +140,9 @@ def _coords(sizes: MeshSizes, dp: int, mp_index: int) -> MeshCoords:
     return MeshCoords(tp=tp, cp=cp, dp=dp, pp=pp)
 
 
-#: A few plans' units by (id(plan), shape), the plan held so that its id is no other's: every
-#: reconcile pass asks for the units of the plan in force (at 4096 pods ~50 ms each time).
-_UNITS: dict[tuple[int, UnitShape], tuple[MeshPlan, list[list[str]]]] = {}
-
-
-def _previous_units(plan: MeshPlan, shape: UnitShape) -> list[list[str]]:
-    """The previous mesh as units: for each unit, its pod names by position (shared: not to be
-    changed, as plans are not once made)."""
-    held = _UNITS.get((id(plan), shape))
-    if held is not None and held[0] is plan:
-        return held[1]
-    units = _units_of(plan, shape)
-    if len(_UNITS) >= 8:
-        del _UNITS[next(iter(_UNITS))]  # the oldest
-    _UNITS[(id(plan), shape)] = (plan, units)
-    return units
-
-
 def _units_of(plan: MeshPlan, shape: UnitShape) -> list[list[str]]:
+    """The previous mesh as units: for each unit, its pod names by position (shared by every pass
+    that asks about the same plan: not to be changed)."""
     pod_of = plan.pod_of_rank()
     units: list[list[str]] = []
     n_units = plan.sizes.dp // shape.replicas_per_unit
@@ -168,6 +153,10 @@ def _units_of(plan: MeshPlan, shape: UnitShape) -> list[list[str]]:
             pods.append(pod_of[plan.sizes.rank_of(_coords(plan.sizes, dp, mp_index))])
         units.append(pods)
     return units
+
+
+#: Every reconcile pass asks for the units of the plan in force (at 4096 pods ~50 ms each time).
+_previous_units: PerPlan[UnitShape, list[list[str]]] = PerPlan(_units_of)
 
 
 def _resume(reported: int | None, previous: int) -> int:

@@ -23,6 +23,7 @@ from megatron_contract.job import (
     MegatronJobStatus,
 )
 from megatron_contract.mesh import MeshPlan
+from megatron_operator.per_plan import PerPlan
 
 
 class Reason:
@@ -266,22 +267,12 @@ def status_body(status: MegatronJobStatus) -> dict[str, Any]:
     if plan is None:
         return status.to_wire()
     body = status.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"plan"})
-    body["plan"] = _plan_wire(plan)
+    body["plan"] = _plan_wire(plan, None)
     return body
 
 
-_PLAN_DUMPS: dict[int, tuple[MeshPlan, dict[str, Any]]] = {}  # id(plan) -> (plan, its dump); a few
-
-
-def _plan_wire(plan: MeshPlan) -> dict[str, Any]:
-    held = _PLAN_DUMPS.get(id(plan))
-    if held is not None and held[0] is plan:  # the plan itself kept: its id is not another's
-        return held[1]
-    dump = plan.to_wire()
-    if len(_PLAN_DUMPS) >= 8:
-        del _PLAN_DUMPS[next(iter(_PLAN_DUMPS))]  # the oldest
-    _PLAN_DUMPS[id(plan)] = (plan, dump)
-    return dump
+# The dump of the plan in force: a write made the old and new bodies, each dumping it.
+_plan_wire: PerPlan[None, dict[str, Any]] = PerPlan(lambda plan, _: plan.to_wire())
 
 
 def status_changed(old: MegatronJobStatus, new: MegatronJobStatus) -> bool:
