@@ -210,8 +210,7 @@ class LabelRequests:
 
     def keep_only(self, pods: Container[str]) -> None:
         """Forget the pods not among ``pods`` (deleted)."""
-        if self._asked:
-            self._asked = {p: v for p, v in self._asked.items() if p in pods}
+        self._asked = {p: v for p, v in self._asked.items() if p in pods}
 
     def pending(self) -> int:
         """How many pods were asked for labels they do not show yet."""

@@ -65,8 +65,8 @@ class PlanDelivery:
         return True
 
     def due_in(self, now: float) -> list[float]:
-        """Seconds until each pending push (to a member that does not hold the plan)."""
-        return [t - now for pod, t in self.push_due.items() if pod not in self.acked]
+        """Seconds until each pending push."""
+        return [t - now for t in self.push_due.values()]
 
     def _held(self, pod: str) -> None:
         # Held, however it got there: no push is due to it any more. A retry left scheduled for a
@@ -83,7 +83,9 @@ class PlanDelivery:
     async def push(self, plan: MeshPlan, token: str | None, pusher: PlanPusher) -> list[tuple[str, str, str]]:
         """Push ``plan`` to the members that do not hold it and are due; the events to post."""
         epochs = self.book.epochs(self.job.uid)
-        self.acked.update(m.pod for m in plan.members if epochs.get(m.pod, 0) == plan.epoch)
+        for m in plan.members:
+            if epochs.get(m.pod, 0) == plan.epoch:
+                self._held(m.pod)
         mono = time.monotonic()
         due = {
             m.pod
