@@ -23,6 +23,7 @@ from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, LabelRequests, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
 from megatron_operator.heartbeats import HeartbeatBook
+from megatron_operator.per_plan import PerPlan
 from megatron_operator.queueing import Gate
 from megatron_operator.settings import OperatorSettings
 from megatron_operator.status import Reason, condition
@@ -63,7 +64,8 @@ class ChildKeeper:
         self.token_of = token_of
         self.expected: dict[str, float] = {}  # pods created and not yet in the index -> until when
         self.retired: set[str] = set()  # surplus pods this operator deleted (not failures)
-        self._replicas: tuple[MeshPlan, dict[str, int]] | None = None  # a plan and its members' replicas
+        # Each member's data-parallel replica: made once per plan (every pass asks; thousands of members).
+        self._replica_of: PerPlan[None, dict[str, int]] = PerPlan(_replicas, size=1)
         self.labels = LabelRequests()
         self._relabelling: set[asyncio.Task[None]] = set()  # patches sent beside the passes
         self.backoffs = {kind: Backoff() for kind in Child}
@@ -203,7 +205,7 @@ class ChildKeeper:
             # boundary: their worker label keeps them under the PodDisruptionBudget, or a drain's
             # eviction would kill one mid-way (a step its peers commit and it does not).
             return
-        replica_of = self._replica_of(plan)
+        replica_of = self._replica_of(plan, None)
         now = time.monotonic()
         patches: list[tuple[str, dict[str, str | None]]] = []
         for p in pods:
@@ -246,12 +248,6 @@ class ChildKeeper:
         for task in list(self._relabelling):
             task.cancel()
         await asyncio.gather(*self._relabelling, return_exceptions=True)
-
-    def _replica_of(self, plan: MeshPlan) -> dict[str, int]:
-        """Each member's data-parallel replica: made once per plan (every pass asks; thousands of members)."""
-        if self._replicas is None or self._replicas[0] is not plan:
-            self._replicas = (plan, {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members})
-        return self._replicas[1]
 
     # -- Secret, Service, budget -------------------------------------------------------------------
 
@@ -330,3 +326,7 @@ class ChildKeeper:
         ):
             return None
         return v.failing, v.reason, v.message
+
+
+def _replicas(plan: MeshPlan, _: None) -> dict[str, int]:
+    return {m.pod: plan.sizes.coords_of(m.ranks[0]).dp for m in plan.members}

@@ -1,9 +1,10 @@
 """Values worked out from a plan, kept for the last few plans.
 
-Every reconcile pass asks again about the plan in force (its units, its dump for the status), and a
-plan of thousands of members makes each answer tens of milliseconds. Plans are not changed once
-made, so an answer holds as long as the plan object does. Kept by the plan's identity, the plan
-itself held with it so that its id is never another's (pydantic models are not hashable).
+Every reconcile pass asks again about the plan in force (its units, its dump for the status, its
+members' replicas), and a plan of thousands of members makes each answer tens of milliseconds.
+Plans are not changed once made, so an answer holds as long as the plan object does. Kept by the
+plan's identity, the plan itself held with it so that its id is never another's (pydantic models
+are not hashable).
 """
 
 from __future__ import annotations
