@@ -47,6 +47,7 @@ class GoodputLedger:
     _recovering_since: float | None = None
     _blocking: dict[str, float] = dataclasses.field(default_factory=dict)  # pod -> cumulative save blocking
     _resumed: bool = False
+    _was_training: bool = False  # the previous observation found the plan in force training
 
     @classmethod
     def resume(cls, created: float, saved: Goodput | None) -> GoodputLedger:
@@ -123,23 +124,28 @@ class GoodputLedger:
             if before is not None and total > before:
                 stall = max(stall, total - before)  # every rank blocks at once: the longest counts
         self.checkpoint_stalls += stall
-        self._rebalance()
+        # Only the steps counted on the job's way back to training ran while it was filed as waiting
+        # or reconfiguring; steps counted while it trained all along ran in training time.
+        self._rebalance(early=not self._was_training)
+        self._was_training = trained and self._recovering_since is None
 
-    def _rebalance(self) -> None:
-        """Steps (and stalls) counted beyond the training time filed so far ran while the job was
-        filed as waiting or reconfiguring: a plan's first steps, done before the last member's
-        report made it 'trained'. That time was training; move it over, so the parts add up."""
+    def _rebalance(self, early: bool) -> None:
+        """Steps (and stalls) counted beyond the training time filed so far: when ``early``, a plan's
+        first steps, done before the last member's report made it 'trained', while the job was filed
+        as waiting or reconfiguring; that time was training: move it over, so the parts add up.
+        Otherwise, and for what is left, an over-count: the steps since the previous observation are
+        counted at the slowest member's latest step time, which is noisy and biased up. A CI run
+        whose steps were counted so moved all its waiting and reconfiguration into training; what is
+        over is taken off the productive time, which never exceeds the time there was."""
         excess = self.productive + self.redone_steps + self.checkpoint_stalls + self.detection - self.training
         for bucket in ("waiting_for_capacity", "reconfiguration"):
-            if excess <= 0:
+            if excess <= 0 or not early:
                 break
             take = min(excess, getattr(self, bucket))
             setattr(self, bucket, getattr(self, bucket) - take)
             self.training += take
             excess -= take
         if excess > 0:
-            # Still more than the time that passed: steps counted at the latest step's duration when
-            # several arrived at once over-count. Productive time never exceeds the time there was.
             self.productive = max(0.0, self.productive - excess)
 
     def failure_declared(self, now: float) -> None:

@@ -103,3 +103,28 @@ def test_productive_time_never_exceeds_the_time_there_was() -> None:
     g = ledger.snapshot(2.0)
     assert g.ratio <= 1.0 and g.productive_seconds <= g.wall_seconds
     assert _parts(g) == pytest.approx(2.0)
+
+
+def test_steps_over_counted_while_training_never_eat_the_waiting_or_the_reconfiguration() -> None:
+    """Steps are counted at the slowest member's latest step time: on a loaded machine that runs
+    above the mean, and a CI run's ledger moved all of its waiting and reconfiguration into training
+    to make room (ratio 0.9955, reconfiguration 0 after a recovery). Over-counts while training are
+    taken off the productive time; only a plan's first steps move time out of waiting."""
+    ledger = GoodputLedger(created=0.0)
+    ledger.observe(4.0, trained=False, step=None, step_time=None)  # pods starting
+    ledger.observe(5.0, trained=True, step=0, step_time=None)  # 4 -> 5 filed as training
+    step, now = 0, 5.0
+    for _ in range(4):  # 2.5 s between passes: 25 steps of 0.1 s, the latest "0.13 s"
+        step, now = step + 25, now + 2.5
+        ledger.observe(now, trained=True, step=step, step_time=0.13)
+    ledger.failure_declared(now + 0.2)
+    ledger.recovered(now + 1.7, first_step_time=0.3)
+    ledger.observe(now + 1.7, trained=True, step=step + 1, step_time=0.3)
+    for _ in range(2):
+        step, now = step + 25, now + 2.5
+        ledger.observe(now + 1.7, trained=True, step=step + 1, step_time=0.13)
+    g = ledger.snapshot(now + 1.7)
+    assert g.lost_seconds.waiting_for_capacity == pytest.approx(4.0)
+    assert g.lost_seconds.reconfiguration == pytest.approx(1.5 - 0.3)
+    assert 0 < g.ratio < 1
+    assert _parts(g) == pytest.approx(g.wall_seconds)
