@@ -178,6 +178,15 @@ def test_a_checkpoint_step_allows_a_longer_silence() -> None:
     assert silence_allowed(13, last_step=None, checkpoint_interval_steps=10, checkpoint_grace_seconds=600) == 13
 
 
+def test_an_asynchronous_save_gets_no_grace_but_the_final_save_does() -> None:
+    """An asynchronous save holds the step only for its device-to-host copy: a worker silent past
+    the hang timeout in one is stopped. The final save waits for the write whatever the setting."""
+    kw = {"checkpoint_interval_steps": 10, "checkpoint_grace_seconds": 600, "final_step": 30}
+    assert silence_allowed(13, last_step=10, synchronous_saves=False, **kw) == 13
+    assert silence_allowed(13, last_step=30, synchronous_saves=False, **kw) == 613
+    assert silence_allowed(13, last_step=10, synchronous_saves=True, **kw) == 613
+
+
 def test_a_worker_silent_in_a_step_is_stopped_after_twice_its_progress_limit() -> None:
     assert stopped_silence(None) is None
     assert stopped_silence(Alive(epoch=1, phase="step", step_limit_seconds=3.0)) == 6.0

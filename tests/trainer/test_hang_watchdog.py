@@ -311,3 +311,6 @@ def test_the_save_grace_applies_to_a_worker_saving_not_to_one_stopped_after_a_sa
     assert sup.allowed_silence(h) == 620.0  # saving
     h.last_alive = Alive(epoch=1, phase="step")  # in the next step, no step limit yet
     assert sup.allowed_silence(h) == 20.0
+    sup.synchronous_saves = False  # an asynchronous save's blocking part is a copy: no grace
+    h.last_alive = Alive(epoch=1, phase="checkpoint")
+    assert sup.allowed_silence(h) == 20.0

@@ -56,6 +56,8 @@ class Agent:
             on_exit=self.events.on_exit,
             checkpoint_interval_steps=settings.spec.checkpoint.interval_steps if settings.spec.checkpoint else None,
             checkpoint_grace_seconds=settings.checkpoint_save_grace_seconds,
+            synchronous_saves=not settings.spec.checkpoint.async_save if settings.spec.checkpoint else True,
+            final_step=settings.spec.training.train_iters,
         )
         self.rendezvous = RendezvousHost(settings.pod_ip, settings.rendezvous_port)
         self.heartbeat: HeartbeatSender | None = None

@@ -98,20 +98,25 @@ def silence_allowed(
     last_step: int | None,
     checkpoint_interval_steps: int | None,
     checkpoint_grace_seconds: float,
+    synchronous_saves: bool = True,
+    final_step: int | None = None,
 ) -> float:
     """How long a training worker may stay silent after its last message.
 
     Workers save a checkpoint right after reporting a step that is a multiple of the checkpoint
-    interval. An asynchronous save holds the step only for the device-to-host copy, but a
-    synchronous one (``asyncSave: false``) and the final save at the end of training wait for the
-    write (a 1 B model took ~22 s on 4xH200); a silence then is a save, not a hang, and gets the
-    save's grace on top.
+    interval. A synchronous save (``asyncSave: false``) and the final save at the end of training
+    (``final_step``) wait for the write (a 1 B model took ~22 s on 4xH200); a silence then is a
+    save, not a hang, and gets the save's grace on top. An asynchronous save holds the step only
+    for the device-to-host copy, which the hang timeout covers: a worker stopped in one is killed
+    after the hang timeout, not after the grace (a chaos run's job, both of whose workers were
+    stopped in a save, waited out the 600 s grace).
     """
     saving = (
         checkpoint_interval_steps is not None
         and last_step is not None
         and last_step > 0
         and last_step % checkpoint_interval_steps == 0
+        and (synchronous_saves or last_step == final_step)
     )
     return hang_timeout_seconds + (checkpoint_grace_seconds if saving else 0.0)
 
@@ -142,12 +147,16 @@ class WorkerSupervisor:
         on_exit: ExitHandler,
         checkpoint_interval_steps: int | None = None,
         checkpoint_grace_seconds: float = 0.0,
+        synchronous_saves: bool = True,
+        final_step: int | None = None,
     ) -> None:
         self.command = tuple(command)
         self.env = dict(env)
         self.hang_timeout_seconds = hang_timeout_seconds
         self.checkpoint_interval_steps = checkpoint_interval_steps
         self.checkpoint_grace_seconds = checkpoint_grace_seconds
+        self.synchronous_saves = synchronous_saves
+        self.final_step = final_step
         self._on_message = on_message
         self._on_exit = on_exit
         self.workers: dict[int, WorkerHandle] = {}
@@ -236,6 +245,8 @@ class WorkerSupervisor:
                 handle.progress.step if handle.progress is not None else None,
                 self.checkpoint_interval_steps,
                 self.checkpoint_grace_seconds,
+                self.synchronous_saves,
+                self.final_step,
             )
         stopped = stopped_silence(alive)
         return allowed if stopped is None else min(allowed, stopped)
