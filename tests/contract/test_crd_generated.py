@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatron_contract import crd
 from megatron_contract.job import SPEC_RULES
 
@@ -45,3 +47,19 @@ def test_schema_is_structural_and_complete() -> None:
     assert rules == [r.cel for r in SPEC_RULES]
     assert spec["properties"]["tp"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
     assert obj["spec"]["names"]["shortNames"] == ["mj", "mjob"]
+
+
+def test_the_plans_members_are_kept_unchecked_and_the_rest_of_the_plan_checked() -> None:
+    """Checking 4096 members against the schema was over half of each status write in the API
+    server: they are kept as written (the plan keeps unknown fields); the plan's other fields stay typed."""
+    status = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    plan = status["properties"]["plan"]
+    assert plan["x-kubernetes-preserve-unknown-fields"] is True
+    assert "members" not in plan["properties"] and "members" not in plan["required"]
+    assert {"epoch", "sizes", "batch", "rendezvous", "resumeStep"} <= set(plan["properties"])
+
+
+def test_a_field_whose_parent_prunes_cannot_be_left_unchecked() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}}}
+    with pytest.raises(ValueError, match="prune"):
+        crd._uncheck(schema, ("a", "b"))
