@@ -153,11 +153,11 @@ def _uncheck(schema: dict[str, Any], path: tuple[str, ...]) -> None:
         schema["required"] = [r for r in schema["required"] if r != name]
 
 
-def build_crd() -> dict[str, Any]:
-    """The whole CustomResourceDefinition object."""
+def build_crd(unchecked: tuple[tuple[str, ...], ...] = UNCHECKED_STATUS_FIELDS) -> dict[str, Any]:
+    """The whole CustomResourceDefinition object, the status fields ``unchecked`` left to the operator."""
     spec = model_schema(MegatronJobSpec)
     status = model_schema(MegatronJobStatus)
-    for path in UNCHECKED_STATUS_FIELDS:
+    for path in unchecked:
         _uncheck(status, path)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

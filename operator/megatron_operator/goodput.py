@@ -138,13 +138,14 @@ class GoodputLedger:
         whose steps were counted so moved all its waiting and reconfiguration into training; what is
         over is taken off the productive time, which never exceeds the time there was."""
         excess = self.productive + self.redone_steps + self.checkpoint_stalls + self.detection - self.training
-        for bucket in ("waiting_for_capacity", "reconfiguration"):
-            if excess <= 0 or not early:
-                break
-            take = min(excess, getattr(self, bucket))
-            setattr(self, bucket, getattr(self, bucket) - take)
-            self.training += take
-            excess -= take
+        if early:
+            for bucket in ("waiting_for_capacity", "reconfiguration"):
+                if excess <= 0:
+                    break
+                take = min(excess, getattr(self, bucket))
+                setattr(self, bucket, getattr(self, bucket) - take)
+                self.training += take
+                excess -= take
         if excess > 0:
             self.productive = max(0.0, self.productive - excess)
 
