@@ -173,7 +173,48 @@ def join_epoch(
     if parallel_state.get_data_parallel_world_size() != plan.sizes.dp:
         built = parallel_state.get_data_parallel_world_size()
         raise RuntimeError(f"parallel_state built dp={built}, plan has {plan.sizes.dp}")
+    share_communicators()
     return store
+
+
+def share_communicators() -> dict[str, str]:
+    """Point each of Megatron's groups whose ranks (in order) equal an earlier group's at that group,
+    so that groups of the same ranks use one communicator.
+
+    Megatron makes a group per parallelism whether or not it differs from another: with TP 1 and
+    CP 1 the data-parallel group holds every rank (the world's), with TP 1 the model-parallel
+    group is the pipeline group, and after a shrink to one rank all of them are that rank. Each
+    used group costs an NCCL communicator: its creation, which is on every epoch's critical path
+    (the creations contend with each other), its connections on its first collectives, and its
+    buffers. Sharing is safe because every member issues the collectives of both groups in the
+    same program order, on the training thread; the rank order is part of the comparison, so a
+    group's ranks keep their numbers. The world comes first, so the groups that span it use it.
+
+    Returns:
+        ``{attribute: the attribute (or "WORLD") it now shares}``, for the log and the tests.
+    """
+    from megatron.core import parallel_state as ps
+
+    world = dist.group.WORLD
+    assert world is not None
+    by_ranks: dict[tuple[int, ...], tuple[str, dist.ProcessGroup]] = {
+        tuple(range(dist.get_world_size())): ("WORLD", world)
+    }
+    shared: dict[str, str] = {}
+    for name in sorted(vars(ps)):
+        group = getattr(ps, name)
+        if not (name.startswith("_") and "GROUP" in name and isinstance(group, dist.ProcessGroup)):
+            continue
+        if "GLOO" in name or group is world:
+            continue
+        ranks = tuple(dist.get_process_group_ranks(group))
+        first = by_ranks.setdefault(ranks, (name, group))
+        if first[1] is not group:
+            setattr(ps, name, first[1])
+            shared[name] = first[0]
+    if shared:
+        log.debug("groups sharing a communicator: %s", shared)
+    return shared
 
 
 def replica_group() -> dist.ProcessGroup:
