@@ -1,10 +1,12 @@
 """Megatron's groups of the same ranks share one communicator (``rendezvous.share_communicators``):
 which groups share, and that every collective on a shared group still reduces over its own ranks.
-Real torch.distributed processes on gloo; the worker's recovery tests run it inside every epoch."""
+Real torch.distributed processes on gloo; the worker's recovery tests run it inside every epoch.
+And NCCL's one-time warm-up in a worker's start (``rendezvous.warm_up_nccl``), on a GPU."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from worker_harness import run_rank_scripts
 
 from localcluster.cluster import free_port
@@ -82,3 +84,29 @@ def test_with_tp_2_the_groups_that_differ_keep_their_own() -> None:
         # With PP 1 the model-parallel group is the tensor-parallel group.
         assert r["sums"] == {"dp": _bits(dp), "mp": _bits(tp), "pp": 1 << rank}
         assert r["groups"] == 4  # world, replica, model (= tensor) and pipeline
+
+
+_WARM_UP = r"""
+import json
+import torch, torch.distributed as dist
+from megatron_trainer.worker.rendezvous import warm_up_nccl
+
+seconds = warm_up_nccl(torch.device("cuda", 0))
+# The spare holds no group afterwards, and NCCL still serves the next communicator.
+pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, dist.ProcessGroupNCCL.Options())
+t = torch.full((4,), 3.0, device="cuda")
+pg.allreduce([t]).wait()
+torch.cuda.synchronize()
+pg.shutdown()
+print(json.dumps({"seconds": seconds, "initialized": dist.is_initialized(), "sum": t.tolist()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the warm-up runs on GPU workers)")
+def test_the_nccl_warm_up_leaves_no_group_and_nccl_usable() -> None:
+    (result,) = run_rank_scripts(_WARM_UP, lambda r: [], 1, 150)
+    assert result["seconds"] > 0
+    assert result["initialized"] is False
+    assert result["sum"] == [3.0] * 4

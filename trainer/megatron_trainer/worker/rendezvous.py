@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,33 @@ def join_spare_world(spec: MegatronJobSpec, local_rank: int) -> None:
         expert_model_parallel_size=spec.ep,
         create_gloo_process_groups=False,
     )
+
+
+def warm_up_nccl(device: torch.device) -> float:
+    """Initialize NCCL in this process once, on a one-rank communicator that is then shut down;
+    returns the seconds it took.
+
+    A process pays for its first NCCL communicator once: NCCL's one-time set-up (network
+    interfaces and plugins probed, NVML, its kernels loaded) comes on top of the communicator. A
+    spare that holds no NCCL group until it is promoted paid it inside its first epoch, where the
+    survivors waited for it: the growth's two-rank communicators took 0.4-0.5 s to create on
+    2xH200 against well under 0.15 s for a survivor's one-rank ones. A communicator of one rank on a
+    private store needs no peer; shutting down a healthy one is quick (the spare must hold none).
+    """
+    start = time.perf_counter()
+    # Any: torch's stubs leave out the backend's collectives.
+    pg: Any = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, dist.ProcessGroupNCCL.Options())
+    try:
+        t = torch.ones(1024, device=device)
+        pg.allreduce([t]).wait()
+        pg.broadcast([t]).wait()
+        out = torch.empty(1024, device=device)
+        pg._allgather_base(out, t).wait()
+        pg._reduce_scatter_base(out, t).wait()
+        torch.cuda.synchronize(device)
+    finally:
+        pg.shutdown()
+    return time.perf_counter() - start
 
 
 def join_epoch(

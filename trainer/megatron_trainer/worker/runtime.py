@@ -192,8 +192,8 @@ class Worker:
             epoch_entry.enter(self, plan)
 
     def _warm_up(self) -> None:
-        """Imports, CUDA context, model built in a communicator-free world: promotion then costs
-        only rendezvous and state transfer."""
+        """Imports, CUDA context, model built in a communicator-free world, NCCL's one-time set-up:
+        promotion then costs only rendezvous, the epoch's communicators and state transfer."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)  # creates the CUDA context now, not at promotion
@@ -218,6 +218,8 @@ class Worker:
             del spare_blocks
             gc.collect()
         abort.release_process_groups()
+        if self.backend == "nccl":
+            log.info("NCCL initialized in %.2fs", rendezvous.warm_up_nccl(self.device))
         # Everything alive now (torch, megatron, their module-level objects) lives as long as the
         # process: keep it out of every later collection, so the gc.collect() on the abort path
         # scans only the objects of the epoch being dropped (0.5 s -> a few ms on CPU).
