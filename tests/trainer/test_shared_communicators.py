@@ -21,23 +21,15 @@ rank, world, tp, pp, port = (int(a) for a in sys.argv[1:])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                              create_gloo_process_groups=False)
-before = {
-    "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
-    "mp": dist.get_process_group_ranks(ps.get_model_parallel_group()),
-    "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
-    "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
-    "dp_rank": ps.get_data_parallel_rank(),
-    "tp_rank": ps.get_tensor_model_parallel_rank(),
-}
+def layout():
+    groups = {"dp": ps.get_data_parallel_group(), "mp": ps.get_model_parallel_group(),
+              "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
+    ranks = {name: dist.get_process_group_ranks(g) for name, g in groups.items()}
+    return {**ranks, "dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank()}
+
+before = layout()
 shared = share_communicators()
-after = {
-    "dp": dist.get_process_group_ranks(ps.get_data_parallel_group()),
-    "mp": dist.get_process_group_ranks(ps.get_model_parallel_group()),
-    "tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
-    "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
-    "dp_rank": ps.get_data_parallel_rank(),
-    "tp_rank": ps.get_tensor_model_parallel_rank(),
-}
+after = layout()
 sums = {}
 for name, group in (("dp", ps.get_data_parallel_group()), ("mp", ps.get_model_parallel_group()),
                     ("pp", ps.get_pipeline_model_parallel_group())):
