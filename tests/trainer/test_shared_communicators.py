@@ -39,6 +39,7 @@ for name, group in (("dp", ps.get_data_parallel_group()), ("mp", ps.get_model_pa
 print(json.dumps({
     "shared": shared, "same": before == after, "sums": sums, "groups": len(communicator_groups()),
     "dp_is_world": replica_group() is dist.group.WORLD,
+    "replica_is_ddps": replica_group() is ps.get_data_parallel_group(with_context_parallel=True),
     "mp_is_pp": ps.get_model_parallel_group() is ps.get_pipeline_model_parallel_group(),
 }))
 ps.destroy_model_parallel()
@@ -57,6 +58,7 @@ def test_with_tp_1_the_replica_group_is_the_world_and_the_model_group_the_pipeli
     for rank, r in enumerate(results):
         assert r["same"], "sharing changed a group's ranks or a rank's number"
         assert r["dp_is_world"] and r["mp_is_pp"]
+        assert r["replica_is_ddps"], "with CP 1 the trainer's replica group is not the one DDP uses"
         assert r["shared"]["_DATA_PARALLEL_GROUP"] == "WORLD"
         # Two communicators an epoch instead of four: the world and the rank's own.
         assert r["groups"] == 2
@@ -70,6 +72,7 @@ def test_with_tp_2_the_groups_that_differ_keep_their_own() -> None:
     for rank, r in enumerate(results):
         assert r["same"]
         assert not r["dp_is_world"] and r["mp_is_pp"] is False
+        assert r["replica_is_ddps"]
         assert "_DATA_PARALLEL_GROUP" not in r["shared"]
         tp = [rank - rank % 2, rank - rank % 2 + 1]
         dp = [rank % 2, rank % 2 + 2]

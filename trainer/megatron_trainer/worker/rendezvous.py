@@ -246,14 +246,12 @@ def share_communicators() -> dict[str, str]:
 
 
 def replica_group() -> dist.ProcessGroup:
-    """The data-parallel group as DDP uses it. With cp=1 Megatron's "dp" and "dp-cp" groups hold
-    the same ranks but are separate communicators; using DDP's one for the trainer's own
-    collectives (state broadcast, loss) saves one NCCL communicator init per epoch."""
+    """The data-parallel group, for the trainer's own collectives (state broadcast, loss). With
+    CP 1 it is the group DDP uses (Megatron's "dp-cp"): :func:`share_communicators` made the two
+    one group, as they hold the same ranks."""
     from megatron.core import parallel_state
 
-    return parallel_state.get_data_parallel_group(
-        with_context_parallel=parallel_state.get_context_parallel_world_size() == 1
-    )
+    return parallel_state.get_data_parallel_group()
 
 
 def communicator_groups() -> list[dist.ProcessGroup]:
