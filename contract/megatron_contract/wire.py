@@ -25,6 +25,9 @@ AGENT_PLAN_PATH = "/v1/plan"
 AGENT_STATE_PATH = "/v1/state"
 AGENT_HEALTH_PATH = "/healthz"
 AGENT_METRICS_PATH = "/metrics"
+# How long an agent keeps the operator's idle connection open: the operator pushes every plan
+# over the connection of the last push (opening thousands of connections costs more than the pushes).
+AGENT_KEEPALIVE_SECONDS = 3600.0
 
 # The operator's endpoint for agent reports (heartbeats, failed peers).
 OPERATOR_REPORT_PORT = 29500

@@ -18,10 +18,9 @@ import json
 import logging
 import time
 
-import aiohttp
-
 from megatron_contract import wire
 from megatron_contract.mesh import MeshPlan, PlanMember
+from megatron_operator.agent_connections import AgentConnections, AnswerError
 
 log = logging.getLogger(__name__)
 
@@ -53,90 +52,66 @@ class PushOutcome:
     held_epoch: int | None = None  # the epoch the agent said it holds (a 409's body)
 
 
-def agent_plan_url(member: PlanMember) -> str:
-    """The plan endpoint of a member's agent."""
-    host = f"[{member.address}]" if ":" in member.address else member.address
-    return f"http://{host}:{member.agent_port}{wire.AGENT_PLAN_PATH}"
-
-
 class PlanPusher:
-    """Sends plans over one pooled HTTP client session, ``concurrency`` at a time.
+    """Sends plans over kept-alive connections to the agents, ``concurrency`` at a time.
 
-    A push's ``timeout`` starts when it gets one of those slots: aiohttp counts the wait for a pooled
-    connection into its ``connect`` and ``total`` timeouts, so with more members than slots the
-    later pushes timed out in the queue while the first were answered (a 1024-member plan: most
-    of them, at every retry) and every retry queued them again."""
+    A push's ``timeout`` starts when it gets one of those slots, so with more members than slots
+    the later pushes are not timed out by their wait in the queue."""
 
     def __init__(self, timeout: float = 5.0, concurrency: int = 512) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 2.0))
+        self._timeout = timeout
         self._concurrency = concurrency
-        self._session: aiohttp.ClientSession | None = None
-        self._slots: asyncio.Semaphore | None = None  # made with the session, in its event loop
-
-    async def _get_session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
-        """The session, and its slots: as many as the connector's limit, so no push waits in its pool."""
-        if self._session is None or self._session.closed or self._slots is None:
-            connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=4, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-            self._slots = asyncio.Semaphore(self._concurrency)
-        return self._session, self._slots
+        self._connections = AgentConnections()
+        self._slots: asyncio.Semaphore | None = None  # made in the event loop that pushes
 
     async def close(self) -> None:
-        """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the connections to the agents."""
+        self._connections.close()
 
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         """Push ``plan`` to its members (or only to ``pods`` among them), all at once."""
-        session, slots = await self._get_session()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._concurrency)
         # Serialized and compressed once for every member: a 4096-pod plan is 0.4-0.6 MB of JSON,
         # sent to all 4096 members; gzip (level 1: ~1-3 ms) makes it 4-8 times smaller on the wire.
         # The agents' server (aiohttp) decompresses it, and holds the result to MAX_BODY_BYTES.
         body = gzip.compress(plan.model_dump_json(by_alias=True, exclude_none=True).encode(), compresslevel=1)
-        headers = {
-            wire.AUTH_HEADER: f"{wire.AUTH_SCHEME} {token}",
-            "Content-Type": "application/json",
-            "Content-Encoding": "gzip",
-        }
+        headers = (
+            f"{wire.AUTH_HEADER}: {wire.AUTH_SCHEME} {token}\r\n"
+            "Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+        ).encode()
         targets = [m for m in plan.members if pods is None or m.pod in pods]
-        return list(
-            await asyncio.gather(*(self._push_one(session, slots, m, body, headers, plan.epoch) for m in targets))
-        )
+        slots = self._slots
+        outcomes = await asyncio.gather(*(self._push_one(slots, m, body, headers, plan.epoch) for m in targets))
+        self._connections.prune()
+        return list(outcomes)
 
     async def _push_one(
-        self,
-        session: aiohttp.ClientSession,
-        slots: asyncio.Semaphore,
-        member: PlanMember,
-        body: bytes,
-        headers: dict[str, str],
-        epoch: int,
+        self, slots: asyncio.Semaphore, member: PlanMember, body: bytes, headers: bytes, epoch: int
     ) -> PushOutcome:
         async with slots:
-            return await self._post(session, member, body, headers, epoch)
-
-    async def _post(
-        self, session: aiohttp.ClientSession, member: PlanMember, body: bytes, headers: dict[str, str], epoch: int
-    ) -> PushOutcome:
-        start = time.monotonic()
-        held: int | None = None
-        try:
-            async with session.post(agent_plan_url(member), data=body, headers=headers) as resp:
-                text = await resp.text()
-                if 200 <= resp.status < 300:
-                    result = PushResult.ACCEPTED
-                elif resp.status == 409:
-                    held = held_epoch(text)
-                    result = refusal(epoch, held)
-                elif resp.status in (401, 403):
-                    result = PushResult.UNAUTHORIZED
-                else:
-                    result = PushResult.ERROR
-                detail = f"HTTP {resp.status} {text[:200]}".strip()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            result, detail = PushResult.ERROR, f"{type(exc).__name__}: {exc}"
-        return PushOutcome(member.pod, result, detail, time.monotonic() - start, held)
+            start = time.monotonic()
+            held: int | None = None
+            try:
+                async with asyncio.timeout(self._timeout):
+                    answer = await self._connections.post(
+                        member.address, member.agent_port, wire.AGENT_PLAN_PATH, headers, body
+                    )
+            except (AnswerError, TimeoutError, OSError) as exc:
+                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                return PushOutcome(member.pod, PushResult.ERROR, detail, time.monotonic() - start)
+            text = answer.body.decode("utf-8", errors="replace")
+            if 200 <= answer.status < 300:
+                result = PushResult.ACCEPTED
+            elif answer.status == 409:
+                held = held_epoch(text)
+                result = refusal(epoch, held)
+            elif answer.status in (401, 403):
+                result = PushResult.UNAUTHORIZED
+            else:
+                result = PushResult.ERROR
+            detail = f"HTTP {answer.status} {text[:200]}".strip()
+            return PushOutcome(member.pod, result, detail, time.monotonic() - start, held)
 
 
 def held_epoch(text: str) -> int | None:

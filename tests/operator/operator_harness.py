@@ -247,7 +247,9 @@ class RecordingAgents:
         app = web.Application(client_max_size=wire.MAX_BODY_BYTES)
         app.router.add_post(wire.AGENT_PLAN_PATH, plan)
         # Bodies as sent (gzipped): each distinct one is decompressed once, in _parse.
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False)
+        runner = web.AppRunner(
+            app, access_log=None, auto_decompress=False, keepalive_timeout=wire.AGENT_KEEPALIVE_SECONDS
+        )
         await runner.setup()
         await web.TCPSite(runner, ip, wire.AGENT_PORT, reuse_address=True).start()
         return runner

@@ -75,7 +75,7 @@ def make_app(agent: Agent) -> web.Application:
 
 async def serve(agent: Agent) -> web.AppRunner:
     """Bind the control port on the pod address; the caller cleans the runner up."""
-    runner = web.AppRunner(make_app(agent), access_log=None)
+    runner = web.AppRunner(make_app(agent), access_log=None, keepalive_timeout=wire.AGENT_KEEPALIVE_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, agent.settings.pod_ip, agent.settings.agent_port, reuse_address=True)
     await site.start()
