@@ -15,6 +15,7 @@ import sys
 import kopf
 
 from megatron_operator import handlers, kube
+from megatron_operator.agent_connections import raise_open_file_limit
 from megatron_operator.health import start_health_server
 from megatron_operator.leader import LeaderElector
 from megatron_operator.settings import ENV_TOKEN_KEY_FILE, OperatorSettings
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except TokenKeyError as exc:
         logging.error("%s", exc)
         return 2
+    logging.info("open-file limit %d (a connection is kept open to every agent)", raise_open_file_limit())
     kube.configure(os.environ.get("KUBECONFIG"))
     handlers.configure(settings, token_key)
     if settings.metrics_port is not None:

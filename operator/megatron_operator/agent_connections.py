@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import resource
 import socket
+
+log = logging.getLogger(__name__)
 
 #: The most bytes of an answer read (the agents answer with a few bytes of JSON).
 MAX_ANSWER_BYTES = 1 << 20
@@ -27,6 +31,22 @@ MAX_ANSWER_BYTES = 1 << 20
 KEEPALIVE_IDLE = 60
 KEEPALIVE_INTERVAL = 10
 KEEPALIVE_PROBES = 6
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; the new soft limit.
+
+    One connection is kept per agent: a 4096-pod job needs 4096 descriptors, and some container
+    runtimes start a process with a soft limit of 1024 (and a hard one far above)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
 
 
 class AnswerError(Exception):
@@ -133,6 +153,9 @@ class AgentConnection(asyncio.Protocol):
             _keep_alive(sock)
 
     def data_received(self, data: bytes) -> None:
+        if self._waiter is None:  # bytes nobody asked for: the next answer could not be told apart
+            self.close()
+            return
         self._buf += data
         self._deliver(at_eof=False)
 

@@ -6,12 +6,14 @@ connection); an agent that closed an idle connection is reached on a new one; an
 server closes a reused connection as the next request arrives is retried once on a new one and
 the plan still arrives; an agent that accepts and never answers times out and its connection is
 not kept; a connection that closed is forgotten at the next push. The answer reader is also
-tested alone on malformed and incomplete input (a fast unit test of one function).
+tested alone on malformed and incomplete input (a fast unit test of one function), and the
+operator raises its open-file limit to the hard limit (a connection per agent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 from typing import Any
 
@@ -21,7 +23,7 @@ from operator_factories import JOB_UID, make_spec
 
 from megatron_contract import wire
 from megatron_contract.mesh import MeshPlan
-from megatron_operator.agent_connections import AnswerError, read_answer
+from megatron_operator.agent_connections import AnswerError, raise_open_file_limit, read_answer
 from megatron_operator.planner import PodRef, plan_mesh
 from megatron_operator.push import PlanPusher, PushResult
 
@@ -77,6 +79,9 @@ def test_pushes_reuse_one_connection_per_agent_and_reconnect_after_the_agent_clo
             second = await pusher.push(_plan([ip], port, epoch=2), "tok")
             assert pusher._connections.open_count() == 1
             await asyncio.sleep(1.0)  # the agent closes the idle connection
+            assert pusher._connections.open_count() == 0
+            pusher._connections.prune()
+            assert not pusher._connections._idle  # forgotten
             third = await pusher.push(_plan([ip], port, epoch=3), "tok")
         finally:
             await pusher.close()
@@ -214,3 +219,13 @@ def test_read_answer_frames_and_refuses() -> None:
     ]:
         with pytest.raises(AnswerError):
             read_answer(bytearray(bad), at_eof)
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+        assert raise_open_file_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
