@@ -1,15 +1,15 @@
 """Keep-alive HTTP/1.1 connections to the trainer agents, for pushing plans.
 
 A push sends one request shape: a POST of the same gzipped plan to every member, answered with a
-small JSON body. aiohttp's client spent ~450 µs of the operator's CPU per member on it (a 4096-pod
-push: 2.0-2.4 s when every connection was new, 1.1-1.4 s with connections reused), nearly all
-of it in request machinery this request does not use (URL objects, cookies, tracing, payload
-objects). Here the request's bytes are written as they are and the answer is read by its
-Content-Length (or chunked, or to the end): ~75 µs a member, 0.3 s of CPU for 4096.
+small JSON body. aiohttp's client spent 230-550 µs of the operator's CPU per member on it (a
+4096-member push: 0.94-1.43 s over reused connections, 1.58-2.24 s over new ones), most of it in
+request machinery this request does not use (URL objects, cookies, tracing, payload objects). Here
+the request's bytes are written as they are and the answer is read by its Content-Length (or
+chunked, or to the end): 0.35 s of CPU for 4096 members (``benchmarks/plan_push.py``).
 
 Connections stay open between pushes, one per agent at a time (more while pushes to it overlap):
 a failure's push reaches thousands of agents that were pushed to before, and opening a
-connection costs both ends more than the request. The agents keep an idle connection an hour
+connection costs the operator about as much as the request. The agents keep an idle connection an hour
 (``megatron_trainer.agent.server``); TCP keep-alive probes close one whose peer vanished without
 closing it (a node gone), and a reused connection that the agent closed meanwhile is retried once
 on a new one.
