@@ -7,6 +7,7 @@ service account gives the credentials.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -18,12 +19,13 @@ from megatron_operator import handlers, kube
 from megatron_operator.agent_connections import raise_open_file_limit
 from megatron_operator.health import start_health_server
 from megatron_operator.leader import LeaderElector
-from megatron_operator.settings import ENV_TOKEN_KEY_FILE, OperatorSettings
+from megatron_operator.settings import ENV_TOKEN_KEY_FILE, GC_THRESHOLDS, OperatorSettings
 from megatron_operator.token import TokenKeyError, read_key
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the operator until it is told to stop."""
+    gc.set_threshold(*GC_THRESHOLDS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
