@@ -25,6 +25,7 @@ asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -46,6 +47,7 @@ from operator_harness import JobApi, OperatorProcess, RecordingAgents  # noqa: E
 
 from localcluster.cluster import LocalCluster  # noqa: E402
 from localcluster.waiting import wait_for  # noqa: E402
+from megatron_operator.settings import GC_THRESHOLDS  # noqa: E402
 
 JOB = "bench"
 
@@ -412,6 +414,9 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
+    # The operator's collector thresholds (megatron_operator.settings) here too, and so in the
+    # agents' process forked from this one: every process of the run collects alike.
+    gc.set_threshold(*GC_THRESHOLDS)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[256], help="worker pods (1 GPU each); several sizes")
     parser.add_argument("--spares", type=int, default=4, help="hot-spare pods")
