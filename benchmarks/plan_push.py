@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import multiprocessing as mp
 import sys
@@ -30,10 +29,11 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_factories import JOB_UID, make_pod_refs, make_spec  # noqa: E402
 from operator_harness import RecordingAgents  # noqa: E402
+from operator_recovery import percentile  # noqa: E402
 
 from megatron_operator.agent_connections import raise_open_file_limit  # noqa: E402
 from megatron_operator.planner import plan_mesh  # noqa: E402
-from megatron_operator.push import PlanPusher  # noqa: E402
+from megatron_operator.push import PlanPusher, plan_body  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -47,12 +47,6 @@ def _agents_main(conn: Connection, addresses: list[tuple[str, str]]) -> None:
         conn.recv()  # until told to stop
     finally:
         agents.close()
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def run_size(members: int, pushes: int, interval: float) -> dict[str, Any]:
@@ -102,7 +96,7 @@ def run_size(members: int, pushes: int, interval: float) -> dict[str, Any]:
     warm_wall, warm_cpu = walls[1:], cpus[1:]
     result: dict[str, Any] = {
         "members": members,
-        "plan_gzip_bytes": len(gzip.compress(plan.model_dump_json(by_alias=True).encode(), compresslevel=1)),
+        "plan_gzip_bytes": len(plan_body(plan)),
         "first_push_ms": {"wall": walls[0] * 1000, "cpu": cpus[0] * 1000},
         "kept_connections_ms": {
             "wall_p50": percentile(warm_wall, 50) * 1000,

@@ -170,9 +170,7 @@ class AgentConnection(asyncio.Protocol):
 
     def _deliver(self, at_eof: bool) -> None:
         if self._waiter is None or self._waiter.done():
-            if at_eof:
-                self.lost = True
-            return
+            return  # at the end, connection_lost follows and marks the connection lost
         try:
             answer = read_answer(self._buf, at_eof)
         except AnswerError as exc:
@@ -229,14 +227,13 @@ class AgentConnections:
         key = (host, port)
         while True:
             conn = self._take(key)
-            fresh = conn is None
             if conn is None:
                 _, conn = await asyncio.get_running_loop().create_connection(AgentConnection, host, port)
             try:
                 answer = await conn.exchange([head, body])
             except AnswerError:
                 conn.close()
-                if fresh or not conn.used:
+                if not conn.used:  # a new connection: only a reused one may have gone stale
                     raise
                 continue  # the agent closed a connection idle since the last push: once more, on a new one
             except BaseException:
