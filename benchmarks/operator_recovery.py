@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -84,17 +85,13 @@ class AgentsProcess:
         self._proc.start()
         self._lock = threading.Lock()
 
-    def _ask(self, cmd: str, arg: Any) -> Any:
+    def ask(self, cmd: str, arg: Any) -> None:
         with self._lock:
             self._conn.send((cmd, arg))
+
+    def answer(self) -> Any:
+        with self._lock:
             return self._conn.recv()
-
-    def sync(self, pods: list[dict[str, Any]]) -> None:
-        self._ask("sync", [(p["metadata"]["name"], p["status"]["podIP"]) for p in pods])
-
-    def received(self, since: int = 0) -> list[tuple[str | None, int, float, int]]:
-        result: list[tuple[str | None, int, float, int]] = self._ask("received", since)
-        return result
 
     def close(self) -> None:
         if self._proc.is_alive():
@@ -103,6 +100,46 @@ class AgentsProcess:
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
+
+
+class AgentsPool:
+    """The recording agents split over ``processes`` child processes, each serving the pod addresses
+    that hash to it (by address, not name: kwok gives a new pod a freed pod's address, and only the
+    process that listens there can serve it). In production each agent answers on its own machine; one Python process
+    answering every push of a 4096-pod job (0.6-1.0 s of a core) measured itself, not the operator,
+    wherever a core was free for a second one."""
+
+    def __init__(self, processes: int, token: str, job_uid: str, operator_url: str, period: float) -> None:
+        self._children = [AgentsProcess(token, job_uid, operator_url, period) for _ in range(processes)]
+        self._cursors = [0] * processes
+
+    def _share(self, address: str) -> int:
+        return zlib.crc32(address.encode()) % len(self._children)
+
+    def sync(self, pods: list[dict[str, Any]]) -> None:
+        shares: list[list[tuple[str, str]]] = [[] for _ in self._children]
+        for p in pods:
+            name, address = p["metadata"]["name"], p["status"]["podIP"]
+            shares[self._share(address)].append((name, address))
+        for child, share in zip(self._children, shares, strict=True):
+            child.ask("sync", share)
+        for child in self._children:
+            child.answer()
+
+    def new_receipts(self) -> list[tuple[str | None, int, float, int]]:
+        """Every plan the agents received since the last call: (pod, epoch, when, answer)."""
+        for child, cursor in zip(self._children, self._cursors, strict=True):
+            child.ask("received", cursor)
+        news: list[tuple[str | None, int, float, int]] = []
+        for i, child in enumerate(self._children):
+            got = child.answer()
+            self._cursors[i] += len(got)
+            news += got
+        return news
+
+    def close(self) -> None:
+        for child in self._children:
+            child.close()
 
 
 class EpochWatch:
@@ -190,7 +227,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
     cluster.start()
     tmp = Path(tempfile.mkdtemp(prefix="operator-bench-"))
     operator: OperatorProcess | None = None
-    agents: AgentsProcess | None = None
+    agents: AgentsPool | None = None
     watch: EpochWatch | None = None
     result: dict[str, Any] = {"workers": workers, "spares": args.spares}
     try:
@@ -216,13 +253,16 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             make_job(JOB, ns, replicas=workers, spares=args.spares, min_replicas=1, global_batch=workers * 2)
         )
         assert status == 201, body
-        agents = AgentsProcess(
+        agents = AgentsPool(
+            args.agent_processes,
             wait_for(lambda: api.token(JOB), 60, "the job's Secret"),
             api.job(JOB)["metadata"]["uid"],
             operator.url,
             args.heartbeat_seconds,
         )
-        watch = EpochWatch(cluster.kubeconfig, ns)  # after the fork above: the child needs no threads
+        watch = EpochWatch(cluster.kubeconfig, ns)  # after the forks above: the children need no threads
+        result["agent_processes"] = args.agent_processes
+        print(f"recording agents in {args.agent_processes} process(es)", flush=True)
         total = workers + args.spares
 
         def sync_agents() -> int:
@@ -277,7 +317,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             epoch = st["epoch"]
             members = [m["pod"] for m in st["plan"]["members"]]
             victim = rng.choice(members)
-            seen = len(agents.received())
+            agents.new_receipts()  # what arrived before this failure
             t_fail = time.monotonic()
             api.delete_pod(victim, grace=0)
             t_stored = wait_for(
@@ -292,17 +332,13 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             # each look (50 a second, thousands of records once the operator retries) took the agents'
             # process enough CPU to slow its answers, and so the pushes it measures.
             got: dict[str, float] = {}  # member -> when it first accepted the plan
-            cursor = [seen]
 
             def all_pushed(
                 new_members: set[str] = new_members,
                 got: dict[str, float] = got,
-                cursor: list[int] = cursor,
                 epoch: int = epoch,
             ) -> list[float]:
-                news = agents.received(cursor[0])
-                cursor[0] += len(news)
-                for pod, ep, at, code in news:
+                for pod, ep, at, code in agents.new_receipts():
                     if pod is not None and ep == epoch + 1 and code == 200:
                         got.setdefault(pod, at)
                 return list(got.values()) if new_members <= set(got) else []
@@ -424,6 +460,12 @@ def main() -> int:
     parser.add_argument("--steady-seconds", type=float, default=30.0, help="training without failures, measured")
     parser.add_argument(
         "--heartbeat-seconds", type=float, default=2.0, help="agents' heartbeat period (the job spec's default: 2 s)"
+    )
+    parser.add_argument(
+        "--agent-processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+        help="processes the recording agents are split over (default: a quarter of the cores, 1 to 8)",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, help="write the figures of every size here (JSON)")
