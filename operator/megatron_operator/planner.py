@@ -40,6 +40,7 @@ from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import (
     BatchGeometry,
     MeshCoords,
+    MeshError,
     MeshPlan,
     MeshSizes,
     OptimizerSourceKind,
@@ -131,6 +132,16 @@ class UnitShape:
         if self.pods_per_unit > 1:
             return unit, position * self.gpus_per_pod + local
         return unit * self.replicas_per_unit + local // self.model_parallel, local % self.model_parallel
+
+
+def _rank(sizes: MeshSizes, dp: int, mp_index: int) -> int:
+    """``sizes.rank_of(_coords(sizes, dp, mp_index))`` without the model: asked for every rank of
+    the mesh on each pass."""
+    tp, rest = mp_index % sizes.tp, mp_index // sizes.tp
+    cp, pp = rest % sizes.cp, rest // sizes.cp
+    if not (0 <= dp < sizes.dp and 0 <= pp < sizes.pp):
+        raise MeshError(f"dp {dp} / pp {pp} outside the mesh {sizes.dp} x {sizes.pp}")
+    return tp + sizes.tp * (cp + sizes.cp * (dp + sizes.dp * pp))
 
 
 def _coords(sizes: MeshSizes, dp: int, mp_index: int) -> MeshCoords:
@@ -498,8 +509,7 @@ def _build(
             ranks = []
             for local in range(shape.gpus_per_pod):
                 dp_rank, mp_index = shape.slot(unit_index, position, local)
-                coords = _coords(sizes, dp_rank, mp_index)
-                rank = sizes.rank_of(coords)
+                rank = _rank(sizes, dp_rank, mp_index)
                 ranks.append(rank)
                 mp_key_of[rank] = sizes.shard_key(rank)
             members.append(

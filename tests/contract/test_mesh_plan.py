@@ -1,4 +1,5 @@
-"""MeshPlan invariants: rank math is Megatron's tp-cp-dp-pp order and invertible (property test);
+"""MeshPlan invariants: rank math is Megatron's tp-cp-dp-pp order and invertible, and a rank's shard
+key is its coordinates' model-parallel key and expert rank (property tests);
 expert-parallel ranks are those of megatron-core's own expert groups (property test) and ep must
 divide dp; a valid plan parses; plans with duplicate or missing ranks, a TP group across pods, a
 wrong batch split, or a state source that does not hold the state (another model shard, or another
@@ -33,6 +34,20 @@ def test_rank_math_round_trips(sizes: MeshSizes, data: st.DataObject) -> None:
     assert sizes.rank_of(coords) == rank
     expected = coords.tp + sizes.tp * (coords.cp + sizes.cp * (coords.dp + sizes.dp * coords.pp))
     assert expected == rank
+
+
+@given(sizes_st, st.sampled_from([1, 2, 4]), st.data())
+def test_shard_key_is_the_coordinates_model_parallel_key_and_expert_rank(
+    sizes: MeshSizes, ep: int, data: st.DataObject
+) -> None:
+    if sizes.dp % ep:
+        return
+    sizes = MeshSizes(**{**sizes.model_dump(), "ep": ep})
+    rank = data.draw(st.integers(0, sizes.world - 1))
+    coords = sizes.coords_of(rank)
+    assert sizes.shard_key(rank) == (*coords.model_parallel_key(), sizes.expert_rank(coords))
+    with pytest.raises(MeshError):
+        sizes.shard_key(sizes.world)
 
 
 def test_rank_math_refuses_out_of_range() -> None:
