@@ -93,10 +93,14 @@ class MeshSizes(OpenWireModel):
 
     def rank_of(self, coords: MeshCoords) -> int:
         """Global rank of the given coordinates (Megatron's tp-cp-dp-pp order)."""
-        for name in ("tp", "cp", "dp", "pp"):
-            if not 0 <= getattr(coords, name) < getattr(self, name):
-                raise MeshError(f"{name} coordinate {getattr(coords, name)} outside 0..{getattr(self, name) - 1}")
-        return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))
+        return self.rank_at(coords.tp, coords.cp, coords.dp, coords.pp)
+
+    def rank_at(self, tp: int, cp: int, dp: int, pp: int) -> int:
+        """:meth:`rank_of` without a :class:`MeshCoords` (the planner asks it for every rank)."""
+        for name, value in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
+            if not 0 <= value < getattr(self, name):
+                raise MeshError(f"{name} coordinate {value} outside 0..{getattr(self, name) - 1}")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def expert_rank(self, coords: MeshCoords) -> int:
         """Expert-parallel rank of the given coordinates. Megatron orders the expert mesh tp-ep-dp-pp
@@ -107,23 +111,24 @@ class MeshSizes(OpenWireModel):
     def shard_key(self, rank: int) -> tuple[int, int, int, int]:
         """(tp, cp, pp, expert rank): ranks sharing it hold the same state (the expert layers' share
         of experts included), so one can restore another."""
-        # coords_of and expert_rank without the model: the planner asks this for every rank of
-        # both meshes on each pass (8192 pydantic models at 4096 ranks, a quarter of a pass).
-        if not 0 <= rank < self.world:
-            raise MeshError(f"rank {rank} outside 0..{self.world - 1}")
-        tp, rest = rank % self.tp, rank // self.tp
-        cp, rest = rest % self.cp, rest // self.cp
-        dp, pp = rest % self.dp, rest // self.dp
+        # Without a MeshCoords: the planner asks this for every rank of both meshes on each pass
+        # (8192 pydantic models at 4096 ranks were a quarter of a pass).
+        tp, cp, dp, pp = self._split(rank)
         return (tp, cp, pp, (cp + self.cp * dp) % self.ep)
 
     def coords_of(self, rank: int) -> MeshCoords:
         """Coordinates of a global rank; inverse of :meth:`rank_of`."""
+        tp, cp, dp, pp = self._split(rank)
+        return MeshCoords(tp=tp, cp=cp, dp=dp, pp=pp)
+
+    def _split(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp, cp, dp, pp) of a global rank."""
         if not 0 <= rank < self.world:
             raise MeshError(f"rank {rank} outside 0..{self.world - 1}")
         tp, rest = rank % self.tp, rank // self.tp
         cp, rest = rest % self.cp, rest // self.cp
         dp, pp = rest % self.dp, rest // self.dp
-        return MeshCoords(tp=tp, cp=cp, dp=dp, pp=pp)
+        return tp, cp, dp, pp
 
 
 class MeshCoords(WireModel):

@@ -39,8 +39,6 @@ from datetime import datetime
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import (
     BatchGeometry,
-    MeshCoords,
-    MeshError,
     MeshPlan,
     MeshSizes,
     OptimizerSourceKind,
@@ -135,20 +133,12 @@ class UnitShape:
 
 
 def _rank(sizes: MeshSizes, dp: int, mp_index: int) -> int:
-    """``sizes.rank_of(_coords(sizes, dp, mp_index))`` without the model: asked for every rank of
-    the mesh on each pass."""
-    tp, rest = mp_index % sizes.tp, mp_index // sizes.tp
-    cp, pp = rest % sizes.cp, rest // sizes.cp
-    if not (0 <= dp < sizes.dp and 0 <= pp < sizes.pp):
-        raise MeshError(f"dp {dp} / pp {pp} outside the mesh {sizes.dp} x {sizes.pp}")
-    return tp + sizes.tp * (cp + sizes.cp * (dp + sizes.dp * pp))
-
-
-def _coords(sizes: MeshSizes, dp: int, mp_index: int) -> MeshCoords:
+    """The global rank of model-parallel index ``mp_index`` in data-parallel replica ``dp``, without
+    a MeshCoords (asked for every rank of the mesh on each pass)."""
     # Model-parallel index inside one replica: tp fastest, then cp, then pp (Megatron's order).
     tp, rest = mp_index % sizes.tp, mp_index // sizes.tp
     cp, pp = rest % sizes.cp, rest // sizes.cp
-    return MeshCoords(tp=tp, cp=cp, dp=dp, pp=pp)
+    return sizes.rank_at(tp, cp, dp, pp)
 
 
 def _units_of(plan: MeshPlan, shape: UnitShape) -> list[list[str]]:
@@ -161,7 +151,7 @@ def _units_of(plan: MeshPlan, shape: UnitShape) -> list[list[str]]:
         pods: list[str] = []
         for position in range(shape.pods_per_unit):
             dp, mp_index = shape.slot(unit, position, 0)
-            pods.append(pod_of[plan.sizes.rank_of(_coords(plan.sizes, dp, mp_index))])
+            pods.append(pod_of[_rank(plan.sizes, dp, mp_index)])
         units.append(pods)
     return units
 
