@@ -1,0 +1,33 @@
+"""``benchmarks/operator_recovery.py`` at a tiny size on the local control plane: the operator as a
+real process, the recording agents split over two processes by pod address.
+
+Scenario: 8 worker pods and 2 spares, 3 failures; every failure is a replacement measured at every
+member (so the members of each plan were served by both agents' processes), and the operator's CPU
+and peak memory are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmark_runs import run_benchmark
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_replacements_are_measured_with_the_agents_in_two_processes(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    result = run_benchmark(
+        "operator_recovery.py",
+        out,
+        *("--workers", "8", "--spares", "2", "--failures", "3", "--steady-seconds", "2"),
+        *("--agent-processes", "2"),
+    )
+    (size,) = result["sizes"]
+    assert size["workers"] == 8 and size["agent_processes"] == 2
+    assert size["measured"] == 3 and size["excluded"] == []
+    stored, pushed = size["stored_s"], size["pushed_s"]
+    assert 0 < stored["min"] <= stored["max"] and 0 < pushed["min"] <= pushed["max"]
+    assert size["operator_cpu_s"]["failures"] > 0 and size["operator_peak_rss_mib"] > 0
