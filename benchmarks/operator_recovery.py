@@ -83,20 +83,18 @@ class AgentsProcess:
             target=_agents_main, args=(child, token, job_uid, operator_url, period), daemon=True
         )
         self._proc.start()
-        self._lock = threading.Lock()
 
+    # Asked from the benchmark's main thread only: every process gets its question before any
+    # answer is read, so the processes work on them at once.
     def ask(self, cmd: str, arg: Any) -> None:
-        with self._lock:
-            self._conn.send((cmd, arg))
+        self._conn.send((cmd, arg))
 
     def answer(self) -> Any:
-        with self._lock:
-            return self._conn.recv()
+        return self._conn.recv()
 
     def close(self) -> None:
         if self._proc.is_alive():
-            with self._lock:
-                self._conn.send(("quit", None))
+            self._conn.send(("quit", None))
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -105,9 +103,9 @@ class AgentsProcess:
 class AgentsPool:
     """The recording agents split over ``processes`` child processes, each serving the pod addresses
     that hash to it (by address, not name: kwok gives a new pod a freed pod's address, and only the
-    process that listens there can serve it). In production each agent answers on its own machine; one Python process
-    answering every push of a 4096-pod job (0.6-1.0 s of a core) measured itself, not the operator,
-    wherever a core was free for a second one."""
+    process that listens there can serve it). In production each agent answers on its own machine;
+    one Python process answering every push of a 4096-pod job (0.6-1.0 s of a core) measured
+    itself, not the operator, wherever a core was free for a second one."""
 
     def __init__(self, processes: int, token: str, job_uid: str, operator_url: str, period: float) -> None:
         self._children = [AgentsProcess(token, job_uid, operator_url, period) for _ in range(processes)]

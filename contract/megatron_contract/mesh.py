@@ -106,7 +106,10 @@ class MeshSizes(OpenWireModel):
         """Expert-parallel rank of the given coordinates. Megatron orders the expert mesh tp-ep-dp-pp
         over the same ranks (expert tp = tp, no cp), so the expert-parallel rank is the position
         in the cp-dp block modulo ep."""
-        return (coords.cp + self.cp * coords.dp) % self.ep
+        return self._expert_rank_at(coords.cp, coords.dp)
+
+    def _expert_rank_at(self, cp: int, dp: int) -> int:
+        return (cp + self.cp * dp) % self.ep
 
     def shard_key(self, rank: int) -> tuple[int, int, int, int]:
         """(tp, cp, pp, expert rank): ranks sharing it hold the same state (the expert layers' share
@@ -114,7 +117,7 @@ class MeshSizes(OpenWireModel):
         # Without a MeshCoords: the planner asks this for every rank of both meshes on each pass
         # (8192 pydantic models at 4096 ranks were a quarter of a pass).
         tp, cp, dp, pp = self._split(rank)
-        return (tp, cp, pp, (cp + self.cp * dp) % self.ep)
+        return (tp, cp, pp, self._expert_rank_at(cp, dp))
 
     def coords_of(self, rank: int) -> MeshCoords:
         """Coordinates of a global rank; inverse of :meth:`rank_of`."""
