@@ -11,7 +11,8 @@ pods (1 GPU each) with hot spares, then repeatedly deletes a random member pod a
   which run in a process of their own);
 - the API server's write load from the job object while it trains without failures: status writes
   per second and the bytes of the object each write stores (every write stores the whole object);
-- the operator's CPU seconds (user + system) per phase and its peak resident memory (VmHWM).
+- the operator's CPU seconds (user + system, its push processes' included) per phase and its peak
+  resident memory (VmHWM), and that of each push process apart.
 
 Between failures it waits for the spare pool to be full again, so every failure is a replacement.
 Each size runs on a fresh control plane. Prints figures and a table of how they grow with size;
@@ -193,10 +194,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (the operator's: its push processes)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
+    """User + system CPU time so far of a process and its children (the live ones and those it
+    reaped): the operator's push processes count as the operator's."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = sum(int(f) for f in fields[11:15])
+    for child in children(pid):
+        try:
+            ticks += sum(int(f) for f in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+        except OSError:  # it exited meanwhile
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -240,8 +259,18 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
         )
         api = JobApi(cluster, ns)
+        push_env = {}
+        if args.push_processes is not None:
+            push_env["MEGATRON_OPERATOR_PUSH_PROCESSES"] = str(args.push_processes)
+        if args.push_process_min_members is not None:
+            push_env["MEGATRON_OPERATOR_PUSH_PROCESS_MIN_MEMBERS"] = str(args.push_process_min_members)
         operator = OperatorProcess(
-            cluster.kubeconfig, ns, tmp / "operator.log", lease_seconds=15, MEGATRON_OPERATOR_RESYNC_SECONDS="5"
+            cluster.kubeconfig,
+            ns,
+            tmp / "operator.log",
+            lease_seconds=15,
+            MEGATRON_OPERATOR_RESYNC_SECONDS="5",
+            **push_env,
         ).start()
         assert operator.proc is not None
         pid = operator.proc.pid
@@ -260,6 +289,8 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         )
         watch = EpochWatch(cluster.kubeconfig, ns)  # after the forks above: the children need no threads
         result["agent_processes"] = args.agent_processes
+        result["operator_log"] = str(operator.log_path)
+        result["push_processes"] = args.push_processes  # None: the operator's default
         print(f"recording agents in {args.agent_processes} process(es)", flush=True)
         total = workers + args.spares
 
@@ -377,6 +408,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         cpu["failures"] = cpu_seconds(pid) - cpu_before
         cpu["total"] = cpu_seconds(pid) - cpu.pop("start")
         rss = peak_rss_mib(pid)
+        push_rss = [peak_rss_mib(child) for child in children(pid)]
         result.update(
             failures=args.failures,
             measured=len(stored_s),
@@ -385,6 +417,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             pushed_s=summary(pushed_s),
             operator_cpu_s=cpu,
             operator_peak_rss_mib=rss,
+            push_processes_peak_rss_mib=push_rss,
         )
         print()
         print(
@@ -403,7 +436,10 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
                     f"   mean {statistics.mean(values) * 1000:7.1f} ms"
                 )
         print(
-            "operator CPU seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()) + f"; peak RSS {rss:.1f} MiB",
+            "operator CPU seconds (its push processes' included): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+            + f"; peak RSS {rss:.1f} MiB"
+            + (f", push processes {' + '.join(f'{r:.1f}' for r in push_rss)} MiB" if push_rss else ""),
             flush=True,
         )
         return result
@@ -464,6 +500,14 @@ def main() -> int:
         type=int,
         default=max(1, min(8, (os.cpu_count() or 1) // 4)),
         help="processes the recording agents are split over (default: a quarter of the cores, 1 to 8)",
+    )
+    parser.add_argument(
+        "--push-processes", type=int, help="the operator's MEGATRON_OPERATOR_PUSH_PROCESSES (its default when unset)"
+    )
+    parser.add_argument(
+        "--push-process-min-members",
+        type=int,
+        help="the operator's MEGATRON_OPERATOR_PUSH_PROCESS_MIN_MEMBERS (its default when unset)",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, help="write the figures of every size here (JSON)")

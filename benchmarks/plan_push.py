@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -33,7 +34,8 @@ from operator_recovery import percentile  # noqa: E402
 
 from megatron_operator.agent_connections import raise_open_file_limit  # noqa: E402
 from megatron_operator.planner import plan_mesh  # noqa: E402
-from megatron_operator.push import PlanPusher, plan_body  # noqa: E402
+from megatron_operator.push import PUSH_CONCURRENCY, PlanPusher, plan_body  # noqa: E402
+from megatron_operator.push_processes import PushProcesses  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -49,7 +51,16 @@ def _agents_main(conn: Connection, addresses: list[tuple[str, str]]) -> None:
         agents.close()
 
 
-def run_size(members: int, pushes: int, interval: float) -> dict[str, Any]:
+def pushing_cpu(pool: PushProcesses | None) -> float:
+    """CPU seconds of this process and of the push processes."""
+    total = time.process_time()
+    for pid in pool.pids() if pool is not None else []:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def run_size(members: int, pushes: int, interval: float, processes: int) -> dict[str, Any]:
     refs = make_pod_refs(members)
     plan = plan_mesh(make_spec(replicas=members, spares=0), JOB_UID, refs, [], [], None).plan
     assert plan is not None
@@ -64,16 +75,20 @@ def run_size(members: int, pushes: int, interval: float) -> dict[str, Any]:
         cpus: list[float] = []
 
         async def pushes_loop() -> None:
-            pusher = PlanPusher()
+            pool = PushProcesses(processes, 1, 5.0, PUSH_CONCURRENCY) if processes else None
+            pusher = PlanPusher(processes=pool)
             try:
+                if pool is not None:  # started now, ready before the first push
+                    while not pool.ready():
+                        await asyncio.sleep(0.05)
                 for i in range(pushes):
                     if i:
                         await asyncio.sleep(interval)
                     p = plan.model_copy(update={"epoch": plan.epoch + i})
-                    cpu, t = time.process_time(), time.monotonic()
+                    cpu, t = pushing_cpu(pool), time.monotonic()
                     outcomes = await pusher.push(p, TOKEN)
                     walls.append(time.monotonic() - t)
-                    cpus.append(time.process_time() - cpu)
+                    cpus.append(pushing_cpu(pool) - cpu)
                     delivered = sum(o.result.delivered for o in outcomes)
                     if delivered != members:
                         failed = [o.detail for o in outcomes if not o.result.delivered][:3]
@@ -96,6 +111,7 @@ def run_size(members: int, pushes: int, interval: float) -> dict[str, Any]:
     warm_wall, warm_cpu = walls[1:], cpus[1:]
     result: dict[str, Any] = {
         "members": members,
+        "push_processes": processes,
         "plan_gzip_bytes": len(plan_body(plan)),
         "first_push_ms": {"wall": walls[0] * 1000, "cpu": cpus[0] * 1000},
         "kept_connections_ms": {
@@ -116,6 +132,9 @@ def main() -> int:
     parser.add_argument("--members", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--pushes", type=int, default=30, help="pushes per size (the first over new connections)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between pushes")
+    parser.add_argument(
+        "--push-processes", type=int, default=0, help="push from this many processes (the operator's push_processes)"
+    )
     parser.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = parser.parse_args()
     limit = raise_open_file_limit()
@@ -125,7 +144,7 @@ def main() -> int:
     results = []
     for members in args.members:
         print(f"=== {members} members", flush=True)
-        r = run_size(members, args.pushes, args.interval)
+        r = run_size(members, args.pushes, args.interval, args.push_processes)
         results.append(r)
         warm = r["kept_connections_ms"]
         print(

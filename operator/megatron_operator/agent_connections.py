@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import resource
 import socket
+import typing
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,7 @@ class AgentConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[tuple[Answer, bool]] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = typing.cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _keep_alive(sock)
@@ -228,7 +228,9 @@ class AgentConnections:
         while True:
             conn = self._take(key)
             if conn is None:
-                _, conn = await asyncio.get_running_loop().create_connection(AgentConnection, host, port)
+                transport, conn = await asyncio.get_running_loop().create_connection(AgentConnection, host, port)
+                if conn.transport is None:  # uvloop calls connection_made after create_connection returns
+                    conn.connection_made(transport)
             try:
                 answer = await conn.exchange([head, body])
             except AnswerError:

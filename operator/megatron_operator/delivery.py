@@ -99,12 +99,13 @@ class PlanDelivery:
         took = time.monotonic() - start
         metrics.PUSH_SECONDS.labels(**self._labels).observe(took)
         log.info(
-            "%s/%s: pushed epoch %d to %d members in %.1f ms",
+            "%s/%s: pushed epoch %d to %d members in %.1f ms%s",
             self.job.namespace,
             self.job.name,
             plan.epoch,
             len(outcomes),
             took * 1000,
+            f" from {pusher.last_processes} push processes" if pusher.last_processes else "",
         )
         failed = [o for o in outcomes if not self._settle(o)]
         events: list[tuple[str, str, str]] = []

@@ -22,11 +22,24 @@ from megatron_operator.builders import JobRef
 from megatron_operator.controller import JobController
 from megatron_operator.failures import PodFacts, node_draining, node_ready_status
 from megatron_operator.heartbeats import HeartbeatBook
-from megatron_operator.push import PlanPusher
+from megatron_operator.push import PUSH_CONCURRENCY, PlanPusher
+from megatron_operator.push_processes import PushProcesses
 from megatron_operator.reports import start_server
 from megatron_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
+
+
+def push_processes(settings: OperatorSettings) -> PushProcesses | None:
+    """The processes that push large plans, as configured; None for none."""
+    if settings.push_processes < 1:
+        return None
+    return PushProcesses(
+        settings.push_processes,
+        settings.push_process_min_members,
+        settings.push_timeout_seconds,
+        concurrency=PUSH_CONCURRENCY,
+    )
 
 
 class Registry:
@@ -36,7 +49,7 @@ class Registry:
         self.settings = settings
         self.token_key = token_key  # each job's token is derived from it (token.py)
         self.book = HeartbeatBook()
-        self.pusher = PlanPusher(timeout=settings.push_timeout_seconds)
+        self.pusher = PlanPusher(timeout=settings.push_timeout_seconds, processes=push_processes(settings))
         self.by_uid: dict[str, JobController] = {}
         self.by_key: dict[tuple[str, str], JobController] = {}
         self.pods_index: Any = None

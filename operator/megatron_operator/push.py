@@ -17,10 +17,15 @@ import gzip
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from megatron_contract import wire
-from megatron_contract.mesh import MeshPlan, PlanMember
 from megatron_operator.agent_connections import AgentConnections, AnswerError
+
+# The push processes import this module and nothing of the contract: it would load pydantic and
+# every model into each of them (~20 MB apiece).
+if TYPE_CHECKING:
+    from megatron_contract.mesh import MeshPlan
+    from megatron_operator.push_processes import PushProcesses
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,24 @@ class PushOutcome:
     held_epoch: int | None = None  # the epoch the agent said it holds (a 409's body)
 
 
+#: Pushes in flight at once, per pushing process.
+PUSH_CONCURRENCY = 512
+
+#: One member to push to: its pod, and its agent's address and port.
+Target = tuple[str, str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PushRequest:
+    """One push: the same POST (a plan of ``epoch``, as :func:`plan_body` made it) to every target."""
+
+    epoch: int
+    path: str
+    headers: bytes  # "Name: value\r\n" lines
+    body: bytes
+    targets: list[Target]
+
+
 def plan_body(plan: MeshPlan) -> bytes:
     """A plan as pushed, serialized and compressed once for every member: a 4096-pod plan is
     0.4-0.6 MB of JSON, sent to all 4096 members; gzip (level 1: ~1-3 ms) makes it 4-8 times
@@ -64,59 +87,76 @@ class PlanPusher:
     """Sends plans over kept-alive connections to the agents, ``concurrency`` at a time.
 
     A push's ``timeout`` starts when it gets one of those slots, so with more members than slots
-    the later pushes are not timed out by their wait in the queue."""
+    the later pushes are not timed out by their wait in the queue. With ``processes``, a push to
+    at least ``processes.min_members`` members is split among those processes (push_processes.py)."""
 
-    def __init__(self, timeout: float = 5.0, concurrency: int = 512) -> None:
-        self._timeout = timeout
-        self._concurrency = concurrency
+    def __init__(
+        self, timeout: float = 5.0, concurrency: int = PUSH_CONCURRENCY, processes: PushProcesses | None = None
+    ) -> None:
+        self.timeout = timeout
+        self.concurrency = concurrency
+        self.processes = processes
         self._connections = AgentConnections()
         self._slots: asyncio.Semaphore | None = None  # made in the event loop that pushes
+        self.last_processes = 0  # how many push processes made the last push (0: this process)
 
     async def close(self) -> None:
-        """Close the connections to the agents."""
+        """Close the connections to the agents, and end the push processes."""
         self._connections.close()
+        if self.processes is not None:
+            self.processes.close()
 
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         """Push ``plan`` to its members (or only to ``pods`` among them), all at once."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self._concurrency)
+        from megatron_contract import wire  # not at the top: see the imports
+
         body = plan_body(plan)
         headers = (
             f"{wire.AUTH_HEADER}: {wire.AUTH_SCHEME} {token}\r\n"
             "Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
         ).encode()
-        targets = [m for m in plan.members if pods is None or m.pod in pods]
+        targets = [(m.pod, m.address, m.agent_port) for m in plan.members if pods is None or m.pod in pods]
+        request = PushRequest(plan.epoch, wire.AGENT_PLAN_PATH, headers, body, targets)
+        if self.processes is not None and len(targets) >= self.processes.min_members:
+            outcomes = await self.processes.push(request, self.push_targets)
+            if outcomes is not None:
+                self.last_processes = self.processes.count
+                return outcomes
+        self.last_processes = 0
+        return await self.push_targets(request)
+
+    async def push_targets(self, request: PushRequest) -> list[PushOutcome]:
+        """Make ``request``'s POSTs from this process."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
         slots = self._slots
-        outcomes = await asyncio.gather(*(self._push_one(slots, m, body, headers, plan.epoch) for m in targets))
+        outcomes = await asyncio.gather(*(self._push_one(slots, t, request) for t in request.targets))
         self._connections.prune()
         return list(outcomes)
 
-    async def _push_one(
-        self, slots: asyncio.Semaphore, member: PlanMember, body: bytes, headers: bytes, epoch: int
-    ) -> PushOutcome:
+    async def _push_one(self, slots: asyncio.Semaphore, target: Target, request: PushRequest) -> PushOutcome:
+        pod, address, port = target
         async with slots:
             start = time.monotonic()
             held: int | None = None
             try:
-                async with asyncio.timeout(self._timeout):
-                    answer = await self._connections.post(
-                        member.address, member.agent_port, wire.AGENT_PLAN_PATH, headers, body
-                    )
+                async with asyncio.timeout(self.timeout):
+                    answer = await self._connections.post(address, port, request.path, request.headers, request.body)
             except (AnswerError, TimeoutError, OSError) as exc:
                 detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                return PushOutcome(member.pod, PushResult.ERROR, detail, time.monotonic() - start)
+                return PushOutcome(pod, PushResult.ERROR, detail, time.monotonic() - start)
             text = answer.body.decode("utf-8", errors="replace")
             if 200 <= answer.status < 300:
                 result = PushResult.ACCEPTED
             elif answer.status == 409:
                 held = held_epoch(text)
-                result = refusal(epoch, held)
+                result = refusal(request.epoch, held)
             elif answer.status in (401, 403):
                 result = PushResult.UNAUTHORIZED
             else:
                 result = PushResult.ERROR
             detail = f"HTTP {answer.status} {text[:200]}".strip()
-            return PushOutcome(member.pod, result, detail, time.monotonic() - start, held)
+            return PushOutcome(pod, result, detail, time.monotonic() - start, held)
 
 
 def held_epoch(text: str) -> int | None:

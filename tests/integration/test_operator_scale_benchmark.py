@@ -1,9 +1,11 @@
 """``benchmarks/operator_recovery.py`` at a tiny size on the local control plane: the operator as a
-real process, the recording agents split over two processes by pod address.
+real process pushing every plan from two push processes, the recording agents split over two
+processes by pod address.
 
 Scenario: 8 worker pods and 2 spares, 3 failures; every failure is a replacement measured at every
-member (so the members of each plan were served by both agents' processes), and the operator's CPU
-and peak memory are read.
+member (so the members of each plan were served by both agents' processes, and pushed by both push
+processes, or by the operator's own while they started), and the operator's CPU and peak memory,
+and its push processes', are read.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ def test_replacements_are_measured_with_the_agents_in_two_processes(tmp_path: Pa
         "operator_recovery.py",
         out,
         *("--workers", "8", "--spares", "2", "--failures", "3", "--steady-seconds", "2"),
-        *("--agent-processes", "2"),
+        *("--agent-processes", "2", "--push-processes", "2", "--push-process-min-members", "2"),
     )
     (size,) = result["sizes"]
-    assert size["workers"] == 8 and size["agent_processes"] == 2
+    assert size["workers"] == 8 and size["agent_processes"] == 2 and size["push_processes"] == 2
+    assert len(size["push_processes_peak_rss_mib"]) == 2 and min(size["push_processes_peak_rss_mib"]) > 0
+    log = Path(size["operator_log"]).read_text()
+    # Every failure's plan went out from the push processes (the first plan may not: they start with it).
+    assert log.count("members in") >= 4 and log.count("from 2 push processes") >= 3, log[-3000:]
+    assert "push process" not in log.replace("from 2 push processes", ""), log[-3000:]
     assert size["measured"] == 3 and size["excluded"] == []
     stored, pushed = size["stored_s"], size["pushed_s"]
     assert 0 < stored["min"] <= stored["max"] and 0 < pushed["min"] <= pushed["max"]
