@@ -121,6 +121,9 @@ class PlanPusher:
             outcomes = await self.processes.push(request, self.push_targets)
             if outcomes is not None:
                 self.last_processes = self.processes.count
+                # The connections this process opened to them (its pushes while the push processes
+                # started) would stay open an hour unused: thousands of sockets and buffers.
+                self._connections.close()
                 return outcomes
         self.last_processes = 0
         return await self.push_targets(request)

@@ -63,7 +63,8 @@ class PushProcess:
             theirs.close()
         self.conn = Connection(ours.detach())
         self.ready = False
-        self._lock = threading.Lock()  # one push at a time through the pipe (two jobs may push at once)
+        # One push at a time through the pipe: two jobs may push at once (the second waits).
+        self._lock = threading.Lock()
 
     def poll_ready(self) -> bool:
         """Whether the process has said it is ready (never blocks)."""
@@ -103,7 +104,7 @@ class PushProcesses:
         self.timeout = timeout
         self.concurrency = concurrency
         self._procs: list[PushProcess | None] = [None] * count
-        self._threads = concurrent.futures.ThreadPoolExecutor(4 * count, thread_name_prefix="push-process")
+        self._threads = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="push-process")
         self.pushes = 0  # pushes made through the processes (tests, logs)
 
     def ready(self) -> bool:

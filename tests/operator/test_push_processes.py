@@ -2,7 +2,8 @@
 
 Scenarios: the first large push goes out from the operator's process while the push processes
 start; once they are ready, every member gets each push exactly once, through them, over the same
-kept connection from push to push (an agent's share stays in one process); an agent's refusal
+kept connection from push to push (an agent's share stays in one process), and the connections
+of the operator's process are closed; an agent's refusal
 (409, a newer epoch) comes back through them as it would from the operator's process; a plan of
 fewer members than the threshold is pushed from the operator's process; a push process killed
 between pushes is started anew, that push going from the operator's process meanwhile; a push
@@ -108,6 +109,7 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
             second = await pusher.push(_plan(port, 2), "tok")
             third = await pusher.push(_plan(port, 3), "tok")
             assert pool.pushes == 2
+            assert pusher._connections.open_count() == 0  # the first push's, closed: the processes push now
             for outcomes in (second, third):
                 results = _by_pod(outcomes)
                 assert set(results) == everyone
