@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
@@ -32,10 +33,13 @@ log = logging.getLogger(__name__)
 
 def push_processes(settings: OperatorSettings) -> PushProcesses | None:
     """The processes that push large plans, as configured; None for none."""
-    if settings.push_processes < 1:
+    count = settings.push_processes
+    if count is None:
+        count = min(4, len(os.sched_getaffinity(0)) // 4)
+    if count < 1:
         return None
     return PushProcesses(
-        settings.push_processes,
+        count,
         settings.push_process_min_members,
         settings.push_timeout_seconds,
         concurrency=PUSH_CONCURRENCY,

@@ -64,11 +64,13 @@ class OperatorSettings(BaseSettings):
     identity: str | None = Field(default=None, description="This replica's identity (hostname and pid if unset).")
     resync_seconds: float = Field(default=5.0, gt=0, description="Longest time a job goes without a reconcile.")
     push_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one plan push to one agent.")
-    push_processes: int = Field(
-        default=4,
+    push_processes: int | None = Field(
+        default=None,
         ge=0,
         description="Processes that push a plan of at least push_process_min_members members, a share of the "
-        "agents each (a push costs ~70 us of CPU per member); 0: the operator's own process pushes every plan.",
+        "agents each (a push costs ~70 us of CPU per member); 0: the operator's own process pushes every plan. "
+        "Unset: a quarter of the CPUs the operator may run on, at most 4 (none below 4 CPUs, where they would "
+        "only compete with the operator for the cores).",
     )
     push_process_min_members: int = Field(
         default=1024, ge=1, description="The fewest members of a plan pushed through the push processes."

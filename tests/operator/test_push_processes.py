@@ -162,3 +162,20 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
             raise AssertionError(f"push process {pid} still runs after close")
 
     asyncio.run(run())
+
+
+def test_the_operator_pushes_from_a_quarter_of_its_cpus_up_to_four_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_operator.handlers import push_processes as configured
+    from megatron_operator.settings import OperatorSettings
+
+    def count(cpus: int, setting: int | None = None) -> int:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+        pool = configured(OperatorSettings(push_processes=setting, push_process_min_members=512))
+        if pool is None:
+            return 0
+        assert pool.min_members == 512 and pool.pids() == []  # nothing started before a push
+        pool.close()
+        return pool.count
+
+    assert [count(n) for n in (1, 2, 3, 4, 8, 16, 64)] == [0, 0, 0, 1, 2, 4, 4]
+    assert count(2, setting=3) == 3 and count(64, setting=0) == 0
