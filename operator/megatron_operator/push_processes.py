@@ -118,8 +118,9 @@ class PushProcesses:
         return all(p is not None and p.poll_ready() for p in self._procs)
 
     async def push(self, request: PushRequest, fallback: Fallback) -> list[PushOutcome] | None:
-        """Push to ``targets`` from the processes; None while they are not all ready (then push
-        from this process). A process that fails has its share pushed by ``fallback``."""
+        """Push ``request`` from the processes, each to its share of the targets; None while they
+        are not all ready (then push from this process). A process that fails has its share pushed
+        by ``fallback``."""
         if not self.ready():
             return None
         shares: list[list[Target]] = [[] for _ in self._procs]
