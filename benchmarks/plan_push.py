@@ -34,7 +34,7 @@ from operator_recovery import percentile  # noqa: E402
 
 from megatron_operator.agent_connections import raise_open_file_limit  # noqa: E402
 from megatron_operator.planner import plan_mesh  # noqa: E402
-from megatron_operator.push import PUSH_CONCURRENCY, PlanPusher, plan_body  # noqa: E402
+from megatron_operator.push import PlanPusher, plan_body  # noqa: E402
 from megatron_operator.push_processes import PushProcesses  # noqa: E402
 
 TOKEN = "bench-token"
@@ -75,8 +75,8 @@ def run_size(members: int, pushes: int, interval: float, processes: int) -> dict
         cpus: list[float] = []
 
         async def pushes_loop() -> None:
-            pool = PushProcesses(processes, 1, 5.0, PUSH_CONCURRENCY) if processes else None
-            pusher = PlanPusher(processes=pool)
+            pusher = PlanPusher(processes=processes)
+            pool = pusher.processes
             try:
                 if pool is not None:  # started now, ready before the first push
                     while not pool.ready():

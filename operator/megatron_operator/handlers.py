@@ -23,27 +23,18 @@ from megatron_operator.builders import JobRef
 from megatron_operator.controller import JobController
 from megatron_operator.failures import PodFacts, node_draining, node_ready_status
 from megatron_operator.heartbeats import HeartbeatBook
-from megatron_operator.push import PUSH_CONCURRENCY, PlanPusher
-from megatron_operator.push_processes import PushProcesses
+from megatron_operator.push import PlanPusher
 from megatron_operator.reports import start_server
 from megatron_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 
 
-def push_processes(settings: OperatorSettings) -> PushProcesses | None:
-    """The processes that push large plans, as configured; None for none."""
-    count = settings.push_processes
-    if count is None:
-        count = min(4, len(os.sched_getaffinity(0)) // 4)
-    if count < 1:
-        return None
-    return PushProcesses(
-        count,
-        settings.push_process_min_members,
-        settings.push_timeout_seconds,
-        concurrency=PUSH_CONCURRENCY,
-    )
+def push_process_count(settings: OperatorSettings) -> int:
+    """How many processes push large plans, as configured (0: none)."""
+    if settings.push_processes is not None:
+        return settings.push_processes
+    return min(4, len(os.sched_getaffinity(0)) // 4)
 
 
 class Registry:
@@ -53,7 +44,11 @@ class Registry:
         self.settings = settings
         self.token_key = token_key  # each job's token is derived from it (token.py)
         self.book = HeartbeatBook()
-        self.pusher = PlanPusher(timeout=settings.push_timeout_seconds, processes=push_processes(settings))
+        self.pusher = PlanPusher(
+            timeout=settings.push_timeout_seconds,
+            processes=push_process_count(settings),
+            process_min_members=settings.push_process_min_members,
+        )
         self.by_uid: dict[str, JobController] = {}
         self.by_key: dict[tuple[str, str], JobController] = {}
         self.pods_index: Any = None

@@ -87,15 +87,24 @@ class PlanPusher:
     """Sends plans over kept-alive connections to the agents, ``concurrency`` at a time.
 
     A push's ``timeout`` starts when it gets one of those slots, so with more members than slots
-    the later pushes are not timed out by their wait in the queue. With ``processes``, a push to
-    at least ``processes.min_members`` members is split among those processes (push_processes.py)."""
+    the later pushes are not timed out by their wait in the queue. With ``processes`` (a count), a
+    push to at least ``process_min_members`` members is split among that many push processes
+    (push_processes.py), which push with the same timeout and concurrency."""
 
     def __init__(
-        self, timeout: float = 5.0, concurrency: int = PUSH_CONCURRENCY, processes: PushProcesses | None = None
+        self,
+        timeout: float = 5.0,
+        concurrency: int = PUSH_CONCURRENCY,
+        processes: int = 0,
+        process_min_members: int = 1,
     ) -> None:
         self.timeout = timeout
         self.concurrency = concurrency
-        self.processes = processes
+        self.processes: PushProcesses | None = None
+        if processes:
+            from megatron_operator.push_processes import PushProcesses  # not at the top: it imports this module
+
+            self.processes = PushProcesses(processes, process_min_members, timeout, concurrency)
         self._connections = AgentConnections()
         self._slots: asyncio.Semaphore | None = None  # made in the event loop that pushes
         self.last_processes = 0  # how many push processes made the last push (0: this process)

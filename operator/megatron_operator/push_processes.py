@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from megatron_operator.agent_connections import raise_open_file_limit
 from megatron_operator.push import PlanPusher, PushOutcome, PushRequest, PushResult, Target
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,6 @@ def _child_env() -> dict[str, str]:
 
 def serve(conn: Connection, timeout: float, concurrency: int) -> None:
     """A push process: take pushes from ``conn`` until it closes; answer each with its outcomes."""
-    from megatron_operator.agent_connections import raise_open_file_limit
-
     raise_open_file_limit()
     pusher = PlanPusher(timeout=timeout, concurrency=concurrency)
     loop = asyncio.new_event_loop()  # kept between pushes: the connections to the agents live on it

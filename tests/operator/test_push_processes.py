@@ -29,7 +29,7 @@ from megatron_contract import wire
 from megatron_contract.mesh import MeshPlan
 from megatron_operator import push_processes
 from megatron_operator.planner import PodRef, plan_mesh
-from megatron_operator.push import PlanPusher, PushOutcome, PushResult
+from megatron_operator.push import PUSH_CONCURRENCY, PlanPusher, PushOutcome, PushResult
 from megatron_operator.push_processes import PushProcesses
 
 IPS = [f"127.0.0.{60 + i}" for i in range(8)]
@@ -96,8 +96,9 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
         seen: dict[str, list[tuple[int, Any]]] = {}
         ahead = {IPS[3]}
         runners = await _agents(port, seen, ahead)
-        pool = PushProcesses(3, min_members=4, timeout=2.0, concurrency=4)
-        pusher = PlanPusher(timeout=2.0, processes=pool)
+        pusher = PlanPusher(timeout=2.0, concurrency=4, processes=3, process_min_members=4)
+        pool = pusher.processes
+        assert pool is not None and (pool.timeout, pool.concurrency) == (2.0, 4)
         everyone = {f"p{i}" for i in range(len(IPS))}
         try:
             # Not ready yet: this push goes from this process, and starts them.
@@ -165,15 +166,17 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
 
 
 def test_the_operator_pushes_from_a_quarter_of_its_cpus_up_to_four_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_operator.handlers import push_processes as configured
+    from megatron_operator.handlers import Registry
     from megatron_operator.settings import OperatorSettings
 
     def count(cpus: int, setting: int | None = None) -> int:
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)))
-        pool = configured(OperatorSettings(push_processes=setting, push_process_min_members=512))
+        settings = OperatorSettings(push_processes=setting, push_process_min_members=512, push_timeout_seconds=3)
+        pool = Registry(settings).pusher.processes
         if pool is None:
             return 0
         assert pool.min_members == 512 and pool.pids() == []  # nothing started before a push
+        assert (pool.timeout, pool.concurrency) == (3, PUSH_CONCURRENCY)  # the pusher's own
         pool.close()
         return pool.count
 
