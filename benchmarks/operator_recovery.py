@@ -208,14 +208,19 @@ def children(pid: int) -> list[int]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time so far of a process and its children (the live ones and those it
     reaped): the operator's push processes count as the operator's."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(f) for f in fields[11:15])
+    total = process_cpu_seconds(pid, reaped=True)
     for child in children(pid):
         try:
-            ticks += sum(int(f) for f in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+            total += process_cpu_seconds(child)
         except OSError:  # it exited meanwhile
             continue
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def process_cpu_seconds(pid: int, reaped: bool = False) -> float:
+    """User + system CPU seconds of one process so far (``reaped``: with the children it reaped)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
+    return sum(int(f) for f in fields[11 : 15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -30,7 +29,7 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_factories import JOB_UID, make_pod_refs, make_spec  # noqa: E402
 from operator_harness import RecordingAgents  # noqa: E402
-from operator_recovery import percentile  # noqa: E402
+from operator_recovery import percentile, process_cpu_seconds  # noqa: E402
 
 from megatron_operator.agent_connections import raise_open_file_limit  # noqa: E402
 from megatron_operator.planner import plan_mesh  # noqa: E402
@@ -53,11 +52,7 @@ def _agents_main(conn: Connection, addresses: list[tuple[str, str]]) -> None:
 
 def pushing_cpu(pool: PushProcesses | None) -> float:
     """CPU seconds of this process and of the push processes."""
-    total = time.process_time()
-    for pid in pool.pids() if pool is not None else []:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return time.process_time() + sum(process_cpu_seconds(pid) for pid in (pool.pids() if pool is not None else []))
 
 
 def run_size(members: int, pushes: int, interval: float, processes: int) -> dict[str, Any]:

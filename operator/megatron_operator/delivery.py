@@ -97,6 +97,7 @@ class PlanDelivery:
         start = time.monotonic()
         outcomes: list[PushOutcome] = await pusher.push(plan, token, due)
         took = time.monotonic() - start
+        processes = len({o.origin for o in outcomes if o.origin is not None})
         metrics.PUSH_SECONDS.labels(**self._labels).observe(took)
         log.info(
             "%s/%s: pushed epoch %d to %d members in %.1f ms%s",
@@ -105,7 +106,7 @@ class PlanDelivery:
             plan.epoch,
             len(outcomes),
             took * 1000,
-            f" from {pusher.last_processes} push processes" if pusher.last_processes else "",
+            f" from {processes} push processes" if processes else "",
         )
         failed = [o for o in outcomes if not self._settle(o)]
         events: list[tuple[str, str, str]] = []

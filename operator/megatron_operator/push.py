@@ -55,6 +55,7 @@ class PushOutcome:
     detail: str
     seconds: float
     held_epoch: int | None = None  # the epoch the agent said it holds (a 409's body)
+    origin: int | None = None  # PID of the push process that made it (None: the operator's own process)
 
 
 #: Pushes in flight at once, per pushing process.
@@ -97,8 +98,11 @@ class PlanPusher:
         concurrency: int = PUSH_CONCURRENCY,
         processes: int = 0,
         process_min_members: int = 1,
+        origin: int | None = None,
     ) -> None:
+        """``origin``: the PID a push process marks its outcomes with (None in the operator)."""
         self.timeout = timeout
+        self.origin = origin
         self.concurrency = concurrency
         self.processes: PushProcesses | None = None
         if processes:
@@ -107,7 +111,6 @@ class PlanPusher:
             self.processes = PushProcesses(processes, process_min_members, timeout, concurrency)
         self._connections = AgentConnections()
         self._slots: asyncio.Semaphore | None = None  # made in the event loop that pushes
-        self.last_processes = 0  # how many push processes made the last push (0: this process)
 
     async def close(self) -> None:
         """Close the connections to the agents, and end the push processes."""
@@ -129,12 +132,10 @@ class PlanPusher:
         if self.processes is not None and len(targets) >= self.processes.min_members:
             outcomes = await self.processes.push(request, self.push_targets)
             if outcomes is not None:
-                self.last_processes = self.processes.count
                 # The connections this process opened to them (its pushes while the push processes
                 # started) would stay open an hour unused: thousands of sockets and buffers.
                 self._connections.close()
                 return outcomes
-        self.last_processes = 0
         return await self.push_targets(request)
 
     async def push_targets(self, request: PushRequest) -> list[PushOutcome]:
@@ -156,7 +157,7 @@ class PlanPusher:
                     answer = await self._connections.post(address, port, request.path, request.headers, request.body)
             except (AnswerError, TimeoutError, OSError) as exc:
                 detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                return PushOutcome(pod, PushResult.ERROR, detail, time.monotonic() - start)
+                return PushOutcome(pod, PushResult.ERROR, detail, time.monotonic() - start, origin=self.origin)
             text = answer.body.decode("utf-8", errors="replace")
             if 200 <= answer.status < 300:
                 result = PushResult.ACCEPTED
@@ -168,7 +169,7 @@ class PlanPusher:
             else:
                 result = PushResult.ERROR
             detail = f"HTTP {answer.status} {text[:200]}".strip()
-            return PushOutcome(pod, result, detail, time.monotonic() - start, held)
+            return PushOutcome(pod, result, detail, time.monotonic() - start, held, self.origin)
 
 
 def held_epoch(text: str) -> int | None:

@@ -189,7 +189,7 @@ def _child_env() -> dict[str, str]:
 def serve(conn: Connection, timeout: float, concurrency: int) -> None:
     """A push process: take pushes from ``conn`` until it closes; answer each with its outcomes."""
     raise_open_file_limit()
-    pusher = PlanPusher(timeout=timeout, concurrency=concurrency)
+    pusher = PlanPusher(timeout=timeout, concurrency=concurrency, origin=os.getpid())
     loop = asyncio.new_event_loop()  # kept between pushes: the connections to the agents live on it
     conn.send("ready")
     try:
@@ -202,7 +202,9 @@ def serve(conn: Connection, timeout: float, concurrency: int) -> None:
                 outcomes = loop.run_until_complete(pusher.push_targets(request))
             except Exception as exc:  # answered, not raised: the operator decides what to do
                 detail = f"push process: {exc!r}"[:300]
-                outcomes = [PushOutcome(pod, PushResult.ERROR, detail, 0.0) for pod, _, _ in request.targets]
+                outcomes = [
+                    PushOutcome(pod, PushResult.ERROR, detail, 0.0, origin=os.getpid()) for pod, _, _ in request.targets
+                ]
             conn.send(outcomes)
     finally:
         loop.run_until_complete(pusher.close())

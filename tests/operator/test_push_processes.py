@@ -102,13 +102,17 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
         everyone = {f"p{i}" for i in range(len(IPS))}
         try:
             # Not ready yet: this push goes from this process, and starts them.
-            first = _by_pod(await pusher.push(_plan(port, 1), "tok"))
+            from_here = await pusher.push(_plan(port, 1), "tok")
+            first = _by_pod(from_here)
             assert pool.pushes == 0 and set(first) == everyone
+            assert {o.origin for o in from_here} == {None}
             await _until_ready(pool)
             pids = pool.pids()
             assert len(pids) == 3
             second = await pusher.push(_plan(port, 2), "tok")
             third = await pusher.push(_plan(port, 3), "tok")
+            # Each outcome names the push process that made it (what the delivery log counts).
+            assert {o.origin for o in (*second, *third)} == set(pids)
             assert pool.pushes == 2
             assert pusher._connections.open_count() == 0  # the first push's, closed: the processes push now
             for outcomes in (second, third):
@@ -122,8 +126,9 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
                 (e2, peer2), (e3, peer3) = seen[ip][1:3]
                 assert (e2, e3) == (2, 3) and peer2 == peer3, seen[ip]
             # Below the threshold: from this process.
-            small = _by_pod(await pusher.push(_plan(port, 4, count=3), "tok"))
-            assert pool.pushes == 2 and set(small) == {"p0", "p1", "p2"}
+            below = await pusher.push(_plan(port, 4, count=3), "tok")
+            small = _by_pod(below)
+            assert pool.pushes == 2 and set(small) == {"p0", "p1", "p2"} and {o.origin for o in below} == {None}
 
             # A push process killed between pushes: started anew; meanwhile this process pushes.
             os.kill(pids[0], signal.SIGKILL)
@@ -144,6 +149,9 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
             assert 4.0 < time.monotonic() - start < 15.0
             assert set(_by_pod(hung)) == everyone and pool.pushes == 3
             assert sum(o.result.delivered for o in hung) == len(IPS) - 1, [o.detail for o in hung]
+            # The hung process's share came from this process, the rest from the other two.
+            by_origin = Counter(o.origin for o in hung)
+            assert by_origin[None] == shares.most_common(1)[0][1] and len(by_origin) == 3
             assert all(seen[ip][-1][0] == 6 for ip in IPS)
             await _until_ready(pool)
             assert stopped not in pool.pids() and len(pool.pids()) == 3

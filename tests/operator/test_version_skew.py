@@ -73,7 +73,6 @@ class FakePusher:
     def __init__(self) -> None:
         self.pushed: list[tuple[int, set[str]]] = []
         self.answers: dict[str, tuple[PushResult, int | None]] = {}
-        self.last_processes = 0  # as PlanPusher: every push from this process
 
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         targets = {m.pod for m in plan.members if pods is None or m.pod in pods}
