@@ -203,7 +203,8 @@ def serve(conn: Connection, timeout: float, concurrency: int) -> None:
             except Exception as exc:  # answered, not raised: the operator decides what to do
                 detail = f"push process: {exc!r}"[:300]
                 outcomes = [
-                    PushOutcome(pod, PushResult.ERROR, detail, 0.0, origin=os.getpid()) for pod, _, _ in request.targets
+                    PushOutcome(pod, PushResult.ERROR, detail, 0.0, origin=pusher.origin)
+                    for pod, _, _ in request.targets
                 ]
             conn.send(outcomes)
     finally:
