@@ -1,15 +1,16 @@
 """Unit tests of progress-based hang detection (worker/watchdog.py) and its fault hooks.
 
-Scenarios: the step limit is the collective timeout until the epoch has three step times (its
-first step and the step after a checkpoint save are warm-ups, never recorded), then ``multiple x
-median`` of the recent steps, never below the floor (at least 5 s on gloo) nor above the collective
-timeout, and a new epoch forgets the old times; a multiple of 0 turns it off; a stalled step is judged at
-its limit, not before; a data read or a save is allowed the collective timeout and announces itself
-to the peers through the store; a stalled rank that sees such an announcement postpones its verdict
-by one limit and then decides; a store that fails counts as nobody busy, and one whose host is
-stopped holds up no verdict; delay faults fire at
-their injection point only; shutting down a process's TCP connections frees a gloo collective
-blocked on a stopped peer (two real processes).
+Scenarios: the step limit is the collective timeout until the epoch has three step times (its first
+step and the step after a checkpoint save are warm-ups, never recorded), then ``multiple x median``
+of the recent steps, never below the floor (at least 5 s on gloo) nor above the collective timeout,
+and a new epoch forgets the old times; a multiple of 0 turns it off; a stalled step is judged at its
+limit, not before, by the limit in force as it began (a warm-up judged after it ended is no hang),
+and a tick acts on no phase that ended while it judged; a data read or a save is allowed the
+collective timeout and announces itself to the peers through the store; a stalled rank that sees
+such an announcement postpones its verdict by one limit and then decides; a store that fails counts
+as nobody busy, and one whose host is stopped holds up no verdict; delay faults fire at their
+injection point only; shutting down a process's TCP connections frees a gloo collective blocked on a
+stopped peer (two real processes).
 """
 
 from __future__ import annotations
@@ -18,15 +19,27 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 from worker_harness import REPO, make_spec
 
 from megatron_trainer.faults import ENV_FAULTS, Fault, FaultPlan, InjectionPoint
-from megatron_trainer.worker.watchdog import STORE_CALL_SECONDS, HangWatch, PeerActivity, Phase, PhaseMark, StepLimit
+from megatron_trainer.worker.lifecycle import WorkerState
+from megatron_trainer.worker.progress_watch import _watch_tick
+from megatron_trainer.worker.watchdog import (
+    STORE_CALL_SECONDS,
+    HangWatch,
+    PeerActivity,
+    Phase,
+    PhaseMark,
+    ProgressMarks,
+    StepLimit,
+)
 
 
 def limits(multiple: float = 3.0, floor: float = 1.0, timeout: float = 30.0) -> StepLimit:
@@ -44,8 +57,9 @@ def warmed(lim: StepLimit, *seconds: float) -> StepLimit:
     return lim
 
 
-def mark(phase: Phase, started: float = 100.0, serial: int = 1, step: int = 5) -> PhaseMark:
-    return PhaseMark(phase=phase, step=step, started=started, serial=serial)
+def mark(phase: Phase, lim: StepLimit, started: float = 100.0, serial: int = 1, step: int = 5) -> PhaseMark:
+    """A phase begun at ``started`` under ``lim``'s current step limit."""
+    return PhaseMark(phase=phase, step=step, started=started, serial=serial, step_limit=lim.step_limit())
 
 
 def test_step_limit_follows_the_recent_median_between_floor_and_timeout() -> None:
@@ -68,7 +82,7 @@ def test_step_limit_follows_the_recent_median_between_floor_and_timeout() -> Non
     assert lim.step_limit() == 30.0  # capped by the collective timeout
     lim.reset()
     assert lim.step_limit() == 30.0  # a new epoch starts over
-    assert lim.allowance(Phase.DATA) == lim.allowance(Phase.CHECKPOINT) == 30.0
+    assert mark(Phase.DATA, lim).allowance(lim.ceiling) == mark(Phase.CHECKPOINT, lim).allowance(lim.ceiling) == 30.0
 
 
 def test_the_step_after_a_save_is_a_warm_up() -> None:
@@ -78,6 +92,50 @@ def test_the_step_after_a_save_is_a_warm_up() -> None:
     assert lim.step_limit() == 30.0
     lim.record(3.0)  # the slow step after the save: allowed, and not recorded
     assert lim.step_limit() == 1.0 and lim.median() == 0.2
+
+
+def test_a_warm_up_step_judged_after_it_ended_is_no_hang() -> None:
+    """A CI run on two loaded cores found it: a peer's 8 s save kept the step after the save (a
+    warm-up) waiting; the step ended, its end recorded it and cleared the warm-up, and a tick that
+    had read the mark before then judged the 8 s step by the next step's 5 s limit: a false hang.
+    The mark keeps the limit in force as its phase began."""
+    lim = warmed(StepLimit(make_spec(collective_timeout=30.0).failure_detection, min_floor=5.0), 0.25, 0.25, 0.25)
+    lim.warm_up_next()  # a save just ran
+    marks = ProgressMarks(lim)
+    marks.begin(Phase.STEP, 4)
+    step = marks.current()
+    assert step is not None and step.step_limit == 30.0
+    lim.record(marks.end())  # the main thread: the step ended, the warm-up is over
+    assert lim.step_limit() == 5.0
+    assert HangWatch(lim).check(step, step.started + 8.22, None) is None
+
+
+def test_a_tick_whose_phase_ended_while_it_judged_interrupts_nothing() -> None:
+    """Whatever the verdict, a tick acts only on the phase still in progress."""
+    lim = warmed(limits(), 0.2, 0.2, 0.2)
+    marks = ProgressMarks(lim)
+
+    class Verdict(HangWatch):
+        def __init__(self, ends_phase: bool) -> None:
+            super().__init__(lim)
+            self.ends_phase = ends_phase
+
+        def check(self, mark: PhaseMark | None, now: float, activity: PeerActivity | None) -> str | None:
+            if self.ends_phase:
+                marks.end()  # the main thread leaves the step while this tick judges it
+            return f"hang: step {mark.step if mark else None} made no progress"
+
+    # Not enough of a worker for an interrupt (no lock): a tick that interrupted would raise.
+    worker = SimpleNamespace(
+        state=WorkerState.TRAINING, aborted=threading.Event(), marks=marks, limits=lim, activity=None, send=print
+    )
+    marks.begin(Phase.STEP, 5)
+    _watch_tick(worker, Verdict(ends_phase=True), said_alive=time.monotonic())  # type: ignore[arg-type]
+    assert not worker.aborted.is_set()
+    worker.lock, worker.backend, worker.epoch, worker.phases = threading.Lock(), "gloo", 0, {}
+    marks.begin(Phase.STEP, 6)
+    _watch_tick(worker, Verdict(ends_phase=False), said_alive=time.monotonic())  # type: ignore[arg-type]
+    assert worker.abort_reason == "hang: step 6 made no progress"  # the phase in progress: acted on
 
 
 def test_gloo_floor_is_at_least_five_seconds() -> None:
@@ -98,7 +156,7 @@ def test_stalled_step_is_a_hang_at_its_limit_not_before() -> None:
     watch = HangWatch(lim)
     store = dist.HashStore()
     activity = PeerActivity(store)
-    step = mark(Phase.STEP)
+    step = mark(Phase.STEP, lim)
     assert watch.check(step, 100.4, activity) is None
     assert watch.check(step, 100.6, activity) is None  # halfway: the peers' counter is read
     assert watch.check(step, 100.95, activity) is None
@@ -107,8 +165,9 @@ def test_stalled_step_is_a_hang_at_its_limit_not_before() -> None:
 
 
 def test_first_step_of_an_epoch_waits_for_the_collective_timeout() -> None:
-    watch = HangWatch(limits(timeout=30.0))  # nothing recorded: the epoch's first step
-    step = mark(Phase.STEP)
+    lim = limits(timeout=30.0)
+    watch = HangWatch(lim)  # nothing recorded: the epoch's first step
+    step = mark(Phase.STEP, lim)
     assert watch.check(step, 129.0, None) is None
     reason = watch.check(step, 130.1, None)
     assert reason is not None and "collective timeout" in reason
@@ -124,10 +183,10 @@ def test_data_read_and_save_get_the_collective_timeout_and_announce_themselves()
         before = busy.read()
         t = 100.0
         while t < 129.9:
-            assert watch.check(mark(phase), t, busy) is None, f"{phase} at {t - 100:.1f}s"
+            assert watch.check(mark(phase, lim), t, busy) is None, f"{phase} at {t - 100:.1f}s"
             t += 0.05
         assert busy.read() is not None and busy.read() > before + 100  # every 0.2 s after the first 0.2 s
-        reason = watch.check(mark(phase), 130.1, busy)
+        reason = watch.check(mark(phase, lim), 130.1, busy)
         assert reason is not None and phase.value in reason
 
 
@@ -137,7 +196,7 @@ def test_a_busy_peer_postpones_the_verdict_by_one_limit() -> None:
     store = dist.HashStore()
     stalled, peer = HangWatch(lim), HangWatch(lim)
     mine, theirs = PeerActivity(store), PeerActivity(store)
-    step, reading = mark(Phase.STEP), mark(Phase.DATA)
+    step, reading = mark(Phase.STEP, lim), mark(Phase.DATA, lim)
     t = 100.0
     while t < 104.0:  # the peer reads data for 4 s; this rank waits for it in a collective
         assert peer.check(reading, t, theirs) is None
@@ -162,8 +221,8 @@ def test_an_unreadable_store_counts_as_nobody_busy() -> None:
     watch = HangWatch(lim)
     broken = PeerActivity(BrokenStore())  # type: ignore[arg-type]
     broken.announce()  # logged, not raised
-    assert watch.check(mark(Phase.STEP), 100.6, broken) is None
-    assert watch.check(mark(Phase.STEP), 101.1, broken) is not None
+    assert watch.check(mark(Phase.STEP, lim), 100.6, broken) is None
+    assert watch.check(mark(Phase.STEP, lim), 101.1, broken) is not None
 
 
 STORE_HOST = """
@@ -190,8 +249,8 @@ def test_a_stopped_store_host_does_not_hold_up_the_verdict() -> None:
         lim = warmed(limits(), 0.2, 0.2, 0.2)  # limit 1 s
         watch = HangWatch(lim)
         start = time.monotonic()
-        assert watch.check(mark(Phase.STEP), 100.6, activity) is None  # halfway: the baseline, unanswered
-        verdict = watch.check(mark(Phase.STEP), 101.1, activity)  # at the limit: a verdict at once
+        assert watch.check(mark(Phase.STEP, lim), 100.6, activity) is None  # halfway: the baseline, unanswered
+        verdict = watch.check(mark(Phase.STEP, lim), 101.1, activity)  # at the limit: a verdict at once
         took = time.monotonic() - start
         assert verdict is not None and "no progress" in verdict, verdict
         assert took < STORE_CALL_SECONDS + 1.0, f"the watchdog waited {took:.1f}s for a stopped store"
@@ -217,6 +276,7 @@ def test_delay_faults_fire_at_their_point_only() -> None:
 BLOCKED_RANK = """
 import os, signal, sys, threading, time
 from datetime import timedelta
+from types import SimpleNamespace
 import torch, torch.distributed as dist
 from megatron_trainer.worker.abort import close_gloo_connections
 rank, port = int(sys.argv[1]), int(sys.argv[2])

@@ -98,7 +98,9 @@ def _watch_tick(worker: Worker, watch: HangWatch, said_alive: float) -> float:
         )
         said_alive = now
     hang = watch.check(mark, time.monotonic(), worker.activity if mark is not None else None)
-    if hang is not None:
+    # The main thread may have left the phase while the tick judged it (a loaded host can hold this
+    # thread between its reading of the mark and the verdict): a phase that ended was no hang.
+    if hang is not None and worker.marks.current() is mark:
         log.warning("%s", hang)
         interrupt(worker, hang, hung=True)
     return said_alive

@@ -91,10 +91,10 @@ class Worker:
         self.abort_reason = ""
         self.detected_at: float | None = None  # monotonic time the current failure was noticed
         self.detected_wall: float | None = None
-        self.marks = ProgressMarks()  # the main thread's training phase, for the watchdog
         self.limits = StepLimit(  # the epoch's recent step times
             self.spec.failure_detection, min_floor=GLOO_FLOOR_SECONDS if self.backend == "gloo" else 0.0
         )
+        self.marks = ProgressMarks(self.limits)  # the main thread's training phase, for the watchdog
         self.activity: PeerActivity | None = None  # the epoch's busy-peer counter (store)
         self.out_of_step = threading.Event()  # set while the main thread runs no training step
         self.out_of_step.set()

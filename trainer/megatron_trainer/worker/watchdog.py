@@ -117,10 +117,6 @@ class StepLimit:
             return self.ceiling
         return min(self.ceiling, max(self.floor, self.multiple * median))
 
-    def allowance(self, phase: Phase) -> float:
-        """Seconds ``phase`` may take: a data read or a save gets the collective timeout."""
-        return self.step_limit() if phase is Phase.STEP else self.ceiling
-
     def describe(self) -> str:
         """How the step limit was set, for a log line or a report."""
         median = self.median()
@@ -131,27 +127,38 @@ class StepLimit:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseMark:
-    """The phase the main thread entered, at which step, and when (monotonic)."""
+    """The phase the main thread entered, at which step, when (monotonic), and the step limit in
+    force as it began."""
 
     phase: Phase
     step: int
     started: float
     serial: int  # tells two consecutive phases of the same kind and step apart
+    # Taken by the main thread, not by the watchdog when it judges: a tick late enough to see the
+    # mark after the step ended would otherwise judge a warm-up step by the next step's limit (the
+    # step's end records it and clears the warm-up), a false hang on a loaded host.
+    step_limit: float
+
+    def allowance(self, ceiling: float) -> float:
+        """Seconds this phase may take: a data read or a save gets the collective timeout."""
+        return self.step_limit if self.phase is Phase.STEP else ceiling
 
 
 class ProgressMarks:
     """The main thread's current phase, readable by the watchdog thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: StepLimit) -> None:
+        self.limits = limits
         self._lock = threading.Lock()
         self._mark: PhaseMark | None = None
         self._serial = 0
 
     def begin(self, phase: Phase, step: int) -> None:
         """Enter ``phase`` of step ``step`` (ends the previous phase)."""
+        step_limit = self.limits.step_limit()
         with self._lock:
             self._serial += 1
-            self._mark = PhaseMark(phase, step, time.monotonic(), self._serial)
+            self._mark = PhaseMark(phase, step, time.monotonic(), self._serial, step_limit)
 
     def end(self) -> float:
         """Leave the current phase; returns how long it ran (0 when none)."""
@@ -248,10 +255,10 @@ class HangWatch:
             self._forget(activity)
             return None
         elapsed = now - mark.started
-        limit = self.limits.step_limit()
+        limit = mark.step_limit
         if mark.phase is not Phase.STEP:
             self._forget(activity)
-            allowance = self.limits.allowance(mark.phase)
+            allowance = mark.allowance(self.limits.ceiling)
             if elapsed > allowance:
                 return f"hang: {mark.phase.value} of step {mark.step} running for more than {allowance:g}s"
             period = limit / ANNOUNCE_DIVISOR
