@@ -12,7 +12,8 @@ pods (1 GPU each) with hot spares, then repeatedly deletes a random member pod a
 - the API server's write load from the job object while it trains without failures: status writes
   per second and the bytes of the object each write stores (every write stores the whole object);
 - the operator's CPU seconds (user + system, its push processes' included) per phase and its peak
-  resident memory (VmHWM), and that of each push process apart.
+  resident memory (VmHWM), and that of each push process apart; the peak as each phase ends, to
+  show which phase raised it.
 
 Between failures it waits for the spare pool to be full again, so every failure is a replacement.
 Each size runs on a fresh control plane. Prints figures and a table of how they grow with size;
@@ -307,12 +308,15 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         create: dict[str, float] = {}
         wait_for(lambda: len(api.pods(JOB)) >= total, 900, "every pod created", interval=0.5)
         create["every_pod_created_s"] = time.monotonic() - t0
+        peak_by_phase = {"every pod created": peak_rss_mib(pid)}  # the peak so far: where it grows
         print(f"every pod created in {create['every_pod_created_s']:.1f} s", flush=True)
         wait_for(lambda: sync_agents() >= total, 900, "all pods running", interval=0.5)
         create["every_pod_running_s"] = time.monotonic() - t0
+        peak_by_phase["every pod running"] = peak_rss_mib(pid)
         print(f"every pod running in {create['every_pod_running_s']:.1f} s", flush=True)
         wait_for(lambda: api.status(JOB).get("phase") == "Running", 300, "the first step of epoch 1", interval=0.1)
         create["first_step_s"] = time.monotonic() - t0
+        peak_by_phase["first step"] = peak_rss_mib(pid)
         cpu["create"] = cpu_seconds(pid) - cpu["start"]
         result["create"] = create
         print(
@@ -327,6 +331,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         writes = [size for at, size in watch.writes if at >= t_steady]
         span = time.monotonic() - t_steady
         cpu["steady"] = cpu_seconds(pid) - cpu_before
+        peak_by_phase["training"] = peak_rss_mib(pid)
         result["steady"] = {
             "seconds": span,
             "job_writes": len(writes),
@@ -399,6 +404,8 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
                 + ("" if clean else "  (excluded: not a plan for this failure alone)"),
                 flush=True,
             )
+            if i == 0:
+                peak_by_phase["first failure"] = peak_rss_mib(pid)
             # A spare counts as ready once its agent reports: serve the new pod's address meanwhile.
             wait_for(
                 lambda: (
@@ -412,7 +419,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             )
         cpu["failures"] = cpu_seconds(pid) - cpu_before
         cpu["total"] = cpu_seconds(pid) - cpu.pop("start")
-        rss = peak_rss_mib(pid)
+        rss = peak_by_phase["failures"] = peak_rss_mib(pid)
         push_rss = [peak_rss_mib(child) for child in children(pid)]
         result.update(
             failures=args.failures,
@@ -422,6 +429,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             pushed_s=summary(pushed_s),
             operator_cpu_s=cpu,
             operator_peak_rss_mib=rss,
+            operator_peak_rss_mib_by_phase=peak_by_phase,
             push_processes_peak_rss_mib=push_rss,
         )
         print()
@@ -447,6 +455,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             + (f", push processes {' + '.join(f'{r:.1f}' for r in push_rss)} MiB" if push_rss else ""),
             flush=True,
         )
+        print("operator peak RSS up to: " + ", ".join(f"{k} {v:.1f}" for k, v in peak_by_phase.items()) + " MiB")
         return result
     finally:
         # Every step runs even if one fails: a leaked operator or cluster would push plans into
