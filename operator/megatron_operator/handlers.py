@@ -2,6 +2,12 @@
 
 Everything they decide is decided by pure modules (:mod:`.reconcile`, :mod:`.planner`,
 :mod:`.status`); everything they change goes through :mod:`.kube`.
+
+The index functions and event handlers are coroutines, though none of them waits on anything: kopf
+runs a plain function in its thread pool, one hand-off per call, queued behind every other. A 4096-
+pod job's first plan relabels every pod, and the pod events of those labels, two calls each, held
+the next failure's event in that queue for seconds. On the event loop they also set a controller's
+``asyncio.Event`` from the loop's own thread, the only thread where that is safe.
 """
 
 from __future__ import annotations
@@ -189,7 +195,7 @@ async def cleanup(**_: Any) -> None:
 
 
 @kopf.index("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
-def pods_by_job(
+async def pods_by_job(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[tuple[str | None, str], PodFacts]:
     """The job's pods, keyed by (namespace, job name): the actual state every decision starts from."""
@@ -197,25 +203,25 @@ def pods_by_job(
 
 
 @kopf.index("nodes")
-def node_readiness(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
+async def node_readiness(name: str, body: kopf.Body, **_: Any) -> dict[str, str]:
     """Ready status of every node."""
     return {name: node_ready_status(body)}
 
 
 @kopf.index("nodes")
-def node_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, dict[str, str]]:
+async def node_labels(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, dict[str, str]]:
     """Labels of every node: a job's failure domains are the values of one of them."""
     return {name: dict(labels)}
 
 
 @kopf.index("nodes")
-def node_draining_state(name: str, body: kopf.Body, **_: Any) -> dict[str, bool]:
+async def node_draining_state(name: str, body: kopf.Body, **_: Any) -> dict[str, bool]:
     """Whether each node is cordoned or tainted for maintenance (failures.node_draining)."""
     return {name: node_draining(body)}
 
 
 @kopf.on.event("pods", labels={wire.LABEL_JOB: kopf.PRESENT})
-def pod_event(
+async def pod_event(
     type: str | None, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **kwargs: Any
 ) -> None:
     REGISTRY.pods_index = kwargs["pods_by_job"]
@@ -225,21 +231,21 @@ def pod_event(
 
 
 @kopf.on.event("services", labels={wire.LABEL_JOB: kopf.PRESENT})
-def service_event(type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+async def service_event(type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     """A job's Service deleted (by hand, or by a cleanup script): recreate it now, not at the next check."""
     if type == "DELETED":
         REGISTRY.children_gone(namespace or "", labels[wire.LABEL_JOB])
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={wire.LABEL_JOB: kopf.PRESENT})
-def disruption_budget_event(type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+async def disruption_budget_event(type: str | None, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     """A job's PodDisruptionBudget deleted: apply it again now, or a drain could take a worker meanwhile."""
     if type == "DELETED":
         REGISTRY.children_gone(namespace or "", labels[wire.LABEL_JOB])
 
 
 @kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.WORKLOADS, labels={wire.LABEL_JOB: kopf.PRESENT})
-def workload_event(
+async def workload_event(
     type: str | None, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> None:
     """A queued job's Kueue Workload (admitted, evicted, ...): kept for its controller, which wakes.
@@ -253,7 +259,7 @@ def workload_event(
 
 
 @kopf.on.event("nodes")
-def node_event(type: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
+async def node_event(type: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
     REGISTRY.nodes_index = kwargs["node_readiness"]
     REGISTRY.node_labels_index = kwargs["node_labels"]
     REGISTRY.node_draining_index = kwargs["node_draining_state"]

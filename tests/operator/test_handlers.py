@@ -16,6 +16,7 @@ copying the status.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import kopf
@@ -51,10 +52,11 @@ def _report(pod: str, epoch: int, **kw: Any) -> AgentReport:
 
 def test_indexes() -> None:
     pod = make_pod("job-3", index=3)
-    key_value = handlers.pods_by_job(namespace="ns", labels=pod["metadata"]["labels"], body=pod)  # type: ignore[arg-type]
+    key_value = asyncio.run(handlers.pods_by_job(namespace="ns", labels=pod["metadata"]["labels"], body=pod))  # type: ignore[arg-type]
     ((key, facts),) = key_value.items()
     assert key == ("ns", "job") and facts.name == "job-3" and facts.serial == 3
-    assert handlers.node_readiness(name="gpu-1", body=make_node("gpu-1", "False")) == {"gpu-1": "False"}  # type: ignore[arg-type]
+    readiness = asyncio.run(handlers.node_readiness(name="gpu-1", body=make_node("gpu-1", "False")))  # type: ignore[arg-type]
+    assert readiness == {"gpu-1": "False"}
 
 
 def test_reports_route_to_the_controller() -> None:
@@ -110,7 +112,7 @@ def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
 
 def _pod_event(pod: dict[str, Any], type: str | None = "MODIFIED") -> None:
     labels = pod["metadata"]["labels"]
-    handlers.pod_event(type=type, namespace="ns", labels=labels, body=pod, pods_by_job={})  # type: ignore[arg-type]
+    asyncio.run(handlers.pod_event(type=type, namespace="ns", labels=labels, body=pod, pods_by_job={}))  # type: ignore[arg-type]
 
 
 def test_pod_events_wake_only_their_job() -> None:
@@ -126,9 +128,10 @@ def test_pod_events_wake_only_their_job() -> None:
 
 
 def _node_event(node: dict[str, Any], type: str | None = "MODIFIED") -> None:
-    handlers.node_event(
+    event = handlers.node_event(
         type=type, name=node["metadata"]["name"], body=node, node_readiness={}, node_labels={}, node_draining_state={}
     )  # type: ignore[arg-type]
+    asyncio.run(event)
 
 
 def test_node_events_wake_the_jobs_only_when_readiness_labels_or_draining_change() -> None:
@@ -197,10 +200,10 @@ def test_a_deleted_service_has_its_job_apply_its_children_now() -> None:
     ctl.children.due = False
     handlers.REGISTRY, saved = registry, handlers.REGISTRY
     try:
-        handlers.service_event(type="MODIFIED", namespace="ns", labels={wire.LABEL_JOB: "job"})
-        handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "other"})
+        asyncio.run(handlers.service_event(type="MODIFIED", namespace="ns", labels={wire.LABEL_JOB: "job"}))
+        asyncio.run(handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "other"}))
         assert not ctl.children.due and not ctl.wake.is_set()
-        handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "job"})
+        asyncio.run(handlers.service_event(type="DELETED", namespace="ns", labels={wire.LABEL_JOB: "job"}))
         assert ctl.children.due and ctl.wake.is_set()
     finally:
         handlers.REGISTRY = saved
