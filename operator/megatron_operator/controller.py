@@ -363,6 +363,7 @@ class JobController:
         except ValidationError as exc:
             await self._fail_invalid(exc)
             return
+        self.pusher.prepare(spec.replicas)  # its push processes ready by the first plan (push.py)
         p = _Pass(spec, self.body.get("metadata", {}).get("generation"), time.monotonic(), self.pods_of(), self.plan)
         p.last_failure, p.recoveries, p.recovery_epoch = (
             self.status.last_failure,

@@ -118,6 +118,14 @@ class PlanPusher:
         if self.processes is not None:
             self.processes.close()
 
+    def prepare(self, members: int) -> None:
+        """A job of ``members`` members runs: start the push processes now when its plans will go
+        through them. Started by its first plan instead, they were not ready for it: that push went
+        from this process, whose connections were then closed, and the first failure's push opened
+        every connection anew (at 4096 members on 16 cores: 713 ms, against ~400 ms later)."""
+        if self.processes is not None and members >= self.processes.min_members:
+            self.processes.ready()
+
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         """Push ``plan`` to its members (or only to ``pods`` among them), all at once."""
         from megatron_contract import wire  # not at the top: see the imports

@@ -173,6 +173,35 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
     asyncio.run(run())
 
 
+def test_a_large_job_has_its_push_processes_ready_by_its_first_plan() -> None:
+    """Prepared for a job of at least the threshold's members, the push processes start at once,
+    and its first plan goes out from them (their connections kept for the next); for a smaller job
+    none starts."""
+
+    async def run() -> None:
+        port = _free_port()
+        seen: dict[str, list[tuple[int, Any]]] = {}
+        runners = await _agents(port, seen, set())
+        pusher = PlanPusher(timeout=2.0, concurrency=4, processes=2, process_min_members=len(IPS))
+        pool = pusher.processes
+        assert pool is not None
+        try:
+            pusher.prepare(len(IPS) - 1)
+            assert pool.pids() == []
+            pusher.prepare(len(IPS))
+            assert len(pool.pids()) == 2
+            await _until_ready(pool)
+            first = await pusher.push(_plan(port, 1), "tok")
+            assert pool.pushes == 1 and {o.origin for o in first} == set(pool.pids())
+            assert set(_by_pod(first).values()) == {PushResult.ACCEPTED}
+        finally:
+            await pusher.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(run())
+
+
 def test_the_operator_pushes_from_a_quarter_of_its_cpus_up_to_four_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_operator.handlers import Registry
     from megatron_operator.settings import OperatorSettings

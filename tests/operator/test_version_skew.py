@@ -74,6 +74,9 @@ class FakePusher:
         self.pushed: list[tuple[int, set[str]]] = []
         self.answers: dict[str, tuple[PushResult, int | None]] = {}
 
+    def prepare(self, members: int) -> None:
+        """No push processes here."""
+
     async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
         targets = {m.pod for m in plan.members if pods is None or m.pod in pods}
         self.pushed.append((plan.epoch, targets))
