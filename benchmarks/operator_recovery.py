@@ -13,7 +13,7 @@ pods (1 GPU each) with hot spares, then repeatedly deletes a random member pod a
   per second and the bytes of the object each write stores (every write stores the whole object);
 - the operator's CPU seconds (user + system, its push processes' included) per phase and its peak
   resident memory (VmHWM), and that of each push process apart; the peak as each phase ends, to
-  show which phase raised it.
+  show which phase raised it, and its RSS twice a second by wall-clock time (to read beside its log).
 
 Between failures it waits for the spare pool to be full again, so every failure is a replacement.
 Each size runs on a fresh control plane. Prints figures and a table of how they grow with size;
@@ -140,6 +140,32 @@ class AgentsPool:
     def close(self) -> None:
         for child in self._children:
             child.close()
+
+
+class RssSampler:
+    """The operator's resident memory (VmRSS) twice a second, with wall-clock times to read beside
+    its log: which of its actions the memory grows with."""
+
+    def __init__(self, pid: int, every: float = 0.5) -> None:
+        self.samples: list[tuple[float, float]] = []  # (time.time(), MiB)
+        self._pid, self._every = pid, every
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._every):
+            try:
+                for line in Path(f"/proc/{self._pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        self.samples.append((time.time(), int(line.split()[1]) / 1024))
+            except OSError:  # the operator ended
+                return
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stopped.set()
+        self._thread.join(5)
+        return self.samples
 
 
 class EpochWatch:
@@ -281,6 +307,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         assert operator.proc is not None
         pid = operator.proc.pid
         cpu: dict[str, float] = {"start": cpu_seconds(pid)}
+        rss_sampler = RssSampler(pid)
         t0 = time.monotonic()
         status, body = api.create_job(
             make_job(JOB, ns, replicas=workers, spares=args.spares, min_replicas=1, global_batch=workers * 2)
@@ -420,6 +447,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         cpu["failures"] = cpu_seconds(pid) - cpu_before
         cpu["total"] = cpu_seconds(pid) - cpu.pop("start")
         rss = peak_by_phase["failures"] = peak_rss_mib(pid)
+        series = rss_sampler.stop()
         push_rss = [peak_rss_mib(child) for child in children(pid)]
         result.update(
             failures=args.failures,
@@ -430,6 +458,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             operator_cpu_s=cpu,
             operator_peak_rss_mib=rss,
             operator_peak_rss_mib_by_phase=peak_by_phase,
+            operator_rss_mib_series=[(round(t, 2), round(m, 1)) for t, m in series],
             push_processes_peak_rss_mib=push_rss,
         )
         print()
@@ -456,6 +485,8 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             flush=True,
         )
         print("operator peak RSS up to: " + ", ".join(f"{k} {v:.1f}" for k, v in peak_by_phase.items()) + " MiB")
+        stamps = {time.strftime("%H:%M:%S", time.localtime(t)): m for t, m in series[::10]}  # every 5 s
+        print("operator RSS (MiB) by wall-clock time: " + ", ".join(f"{k} {v:.0f}" for k, v in stamps.items()))
         return result
     finally:
         # Every step runs even if one fails: a leaked operator or cluster would push plans into

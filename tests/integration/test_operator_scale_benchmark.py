@@ -31,10 +31,17 @@ def test_replacements_are_measured_with_the_agents_in_two_processes(tmp_path: Pa
     assert size["workers"] == 8 and size["agent_processes"] == 2 and size["push_processes"] == 2
     assert len(size["push_processes_peak_rss_mib"]) == 2 and min(size["push_processes_peak_rss_mib"]) > 0
     log = Path(size["operator_log"]).read_text()
-    # Every failure's plan went out from the push processes (the first plan may not: they start with it).
+    # Every failure's plan went out from the push processes (they start with the job; the first plan
+    # may still come before they are ready).
     assert log.count("members in") >= 4 and log.count("from 2 push processes") >= 3, log[-3000:]
     assert "push process" not in log.replace("from 2 push processes", ""), log[-3000:]
     assert size["measured"] == 3 and size["excluded"] == []
     stored, pushed = size["stored_s"], size["pushed_s"]
     assert 0 < stored["min"] <= stored["max"] and 0 < pushed["min"] <= pushed["max"]
     assert size["operator_cpu_s"]["failures"] > 0 and size["operator_peak_rss_mib"] > 0
+    peaks = size["operator_peak_rss_mib_by_phase"]
+    phases = ["every pod created", "every pod running", "first step", "training", "first failure", "failures"]
+    assert list(peaks) == phases
+    assert list(peaks.values()) == sorted(peaks.values()) and peaks["failures"] == size["operator_peak_rss_mib"]
+    series = size["operator_rss_mib_series"]
+    assert len(series) >= 10 and all(0 < mib <= peaks["failures"] + 1 for _, mib in series)
