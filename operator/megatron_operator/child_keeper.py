@@ -36,12 +36,6 @@ SECRET_MISSING_WAIT = "CreateContainerConfigError"
 #: Least time between two applies of the Secret prompted by pods (not by the periodic check).
 SECRET_PROMPT_SECONDS = 2.0
 
-#: Label patches in flight at once, of one relabelling. A job's first plan relabels every pod: sent
-#: all at once, 4096 patches queued in the API client's thread pool (kube.py), where a failure's
-#: status write then waited behind every one of them, and the pods' events came back in one burst
-#: (the operator's memory rose by 75-90 MiB in the 15 s after a 4096-pod job's first plan).
-RELABEL_CONCURRENCY = 4
-
 #: The reason of the CreateFailed condition and event when a kind of child cannot be applied.
 _FAILED_CREATE = {
     Child.SECRET: Reason.FAILED_CREATE_SECRET,
@@ -233,13 +227,7 @@ class ChildKeeper:
             task.add_done_callback(self._relabelling.discard)
 
     async def _relabel_all(self, patches: list[tuple[str, dict[str, str | None]]]) -> None:
-        slots = asyncio.Semaphore(RELABEL_CONCURRENCY)
-
-        async def relabel(name: str, labels: dict[str, str | None]) -> str | None:
-            async with slots:
-                return await self._relabel(name, labels)
-
-        errors = await asyncio.gather(*(relabel(name, labels) for name, labels in patches))
+        errors = await asyncio.gather(*(self._relabel(name, labels) for name, labels in patches))
         failed = [error for error in errors if error is not None]
         if failed:  # asked again once LABEL_RESEND_SECONDS have passed
             self._log("could not relabel %d of %d pods; first: %s", len(failed), len(patches), failed[0])

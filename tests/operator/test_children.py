@@ -12,7 +12,7 @@ Scenarios:
   it never shows up;
 - label patches: labels asked of a pod are not asked again while the index has not caught up
   (for LABEL_RESEND_SECONDS: a failed patch is sent again then), but at once when they change or
-  were seen and changed back; a relabelling of every pod has a few patches in flight at once;
+  were seen and changed back;
 - the verdict: no condition while nothing is reportable; the first reportable child's reason and
   every reportable child's last error otherwise;
 - PodFacts keeps the reason a container waits for (CreateContainerConfigError: Secret missing);
@@ -22,18 +22,14 @@ Scenarios:
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
 from kubernetes.client.exceptions import ApiException
-from operator_factories import JOB_UID, make_pod, make_pod_refs, make_spec
+from operator_factories import make_pod
 
-from megatron_contract import wire
-from megatron_operator import child_keeper, kube
-from megatron_operator.builders import JobRef
-from megatron_operator.child_keeper import ChildKeeper
+from megatron_operator import kube
 from megatron_operator.children import (
     BASE_DELAY_SECONDS,
     FORGET_UNSEEN_SECONDS,
@@ -50,9 +46,6 @@ from megatron_operator.children import (
     verdict,
 )
 from megatron_operator.failures import Failure, FailureReason, PodFacts
-from megatron_operator.heartbeats import HeartbeatBook
-from megatron_operator.planner import plan_mesh
-from megatron_operator.settings import OperatorSettings
 from megatron_operator.token import MIN_KEY_BYTES, TokenKeyError, derive_token, read_key
 
 KEY = b"k" * MIN_KEY_BYTES
@@ -196,34 +189,3 @@ def test_labels_asked_for_are_not_asked_again_until_seen_or_stale() -> None:
     requests.keep_only({"b"})
     assert requests.pending() == 1
     assert not requests.due("b", worker, shown=False, now=43.0)
-
-
-def test_a_relabelling_has_a_few_patches_in_flight_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A first plan relabels every pod: the patches go a few at a time (not thousands queued in the
-    API client's thread pool, ahead of a failure's status write), and every pod is patched once."""
-    spec = make_spec(replicas=40, spares=0)
-    plan = plan_mesh(spec, JOB_UID, make_pod_refs(40), [], [], None).plan
-    assert plan is not None
-    pods = [PodFacts.of(make_pod(ref.name, role=wire.ROLE_SPARE, uid=ref.uid)) for ref in make_pod_refs(40)]
-    in_flight, most, patched = 0, 0, []
-
-    async def patch(namespace: str, name: str, labels: dict[str, str | None]) -> None:
-        nonlocal in_flight, most
-        in_flight += 1
-        most = max(most, in_flight)
-        await asyncio.sleep(0.001)
-        patched.append(name)
-        in_flight -= 1
-
-    monkeypatch.setattr(kube, "patch_pod_labels", patch)
-
-    async def run() -> None:
-        keeper = ChildKeeper(
-            JobRef("job", "ns", JOB_UID), OperatorSettings(), HeartbeatBook(), dict, lambda: spec, lambda: "tok"
-        )
-        await keeper.sync_labels(plan, pods, plan.epoch, {})
-        await asyncio.gather(*keeper._relabelling)
-
-    asyncio.run(run())
-    assert sorted(patched) == sorted(p.name for p in pods)
-    assert most == child_keeper.RELABEL_CONCURRENCY
