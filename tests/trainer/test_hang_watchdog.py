@@ -276,7 +276,6 @@ def test_delay_faults_fire_at_their_point_only() -> None:
 BLOCKED_RANK = """
 import os, signal, sys, threading, time
 from datetime import timedelta
-from types import SimpleNamespace
 import torch, torch.distributed as dist
 from megatron_trainer.worker.abort import close_gloo_connections
 rank, port = int(sys.argv[1]), int(sys.argv[2])
