@@ -44,11 +44,16 @@ def _plan(port: int, epoch: int, count: int = len(IPS)) -> MeshPlan:
     return plan.model_copy(update={"members": members, "epoch": epoch})
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((IPS[0], 0))
-        port: int = probe.getsockname()[1]
-        return port
+def _free_port(processes: int = 1) -> int:
+    """A free port at which the agents' addresses fall to every one of ``processes`` push
+    processes (shares go by address and port: some ports leave a process without one)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind((IPS[0], 0))
+            port: int = probe.getsockname()[1]
+        if len({push_processes._share_of(("", ip, port), processes) for ip in IPS}) == processes:
+            return port
+    raise AssertionError(f"no port of 100 gives each of {processes} push processes a share")
 
 
 async def _agents(port: int, seen: dict[str, list[tuple[int, Any]]], ahead: set[str]) -> list[web.AppRunner]:
@@ -92,7 +97,7 @@ def test_a_large_plan_goes_out_from_the_push_processes_each_member_once(monkeypa
     monkeypatch.setattr(push_processes, "ANSWER_SLACK_SECONDS", 0.5)
 
     async def run() -> None:
-        port = _free_port()
+        port = _free_port(processes=3)
         seen: dict[str, list[tuple[int, Any]]] = {}
         ahead = {IPS[3]}
         runners = await _agents(port, seen, ahead)
@@ -179,7 +184,7 @@ def test_a_large_job_has_its_push_processes_ready_by_its_first_plan() -> None:
     none starts."""
 
     async def run() -> None:
-        port = _free_port()
+        port = _free_port(processes=2)
         seen: dict[str, list[tuple[int, Any]]] = {}
         runners = await _agents(port, seen, set())
         pusher = PlanPusher(timeout=2.0, concurrency=4, processes=2, process_min_members=len(IPS))
