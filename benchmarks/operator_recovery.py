@@ -257,6 +257,19 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def memory_now(pid: int) -> dict[str, float]:
+    """What the operator's resident memory is made of at the end (MiB; its threads, counted): heap
+    and other anonymous pages against mapped files (the interpreter, its libraries)."""
+    wanted = {"RssAnon": "anon_mib", "RssFile": "file_mib", "RssShmem": "shmem_mib", "Threads": "threads"}
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in wanted:
+            number = int(value.split()[0])
+            out[wanted[key]] = number if key == "Threads" else round(number / 1024, 1)
+    return out
+
+
 def summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -448,6 +461,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         cpu["total"] = cpu_seconds(pid) - cpu.pop("start")
         rss = peak_by_phase["failures"] = peak_rss_mib(pid)
         series = rss_sampler.stop()
+        memory = memory_now(pid)
         push_rss = [peak_rss_mib(child) for child in children(pid)]
         result.update(
             failures=args.failures,
@@ -459,6 +473,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             operator_peak_rss_mib=rss,
             operator_peak_rss_mib_by_phase=peak_by_phase,
             operator_rss_mib_series=[(round(t, 2), round(m, 1)) for t, m in series],
+            operator_memory_at_end=memory,
             push_processes_peak_rss_mib=push_rss,
         )
         print()
@@ -485,6 +500,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             flush=True,
         )
         print("operator peak RSS up to: " + ", ".join(f"{k} {v:.1f}" for k, v in peak_by_phase.items()) + " MiB")
+        print("operator memory at the end: " + ", ".join(f"{k} {v}" for k, v in memory.items()))
         stamps = {time.strftime("%H:%M:%S", time.localtime(t)): m for t, m in series[::10]}  # every 5 s
         print("operator RSS (MiB) by wall-clock time: " + ", ".join(f"{k} {v:.0f}" for k, v in stamps.items()))
         return result

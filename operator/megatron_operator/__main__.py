@@ -17,6 +17,7 @@ import kopf
 
 from megatron_operator import handlers, kube
 from megatron_operator.agent_connections import raise_open_file_limit
+from megatron_operator.allocator import tune_allocator
 from megatron_operator.health import start_health_server
 from megatron_operator.leader import LeaderElector
 from megatron_operator.settings import ENV_TOKEN_KEY_FILE, GC_THRESHOLDS, OperatorSettings
@@ -26,7 +27,10 @@ from megatron_operator.token import TokenKeyError, read_key
 def main(argv: list[str] | None = None) -> int:
     """Run the operator until it is told to stop."""
     gc.set_threshold(*GC_THRESHOLDS)
+    allocator = tune_allocator()  # before any thread starts: each would take an arena of its own
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if allocator:
+        logging.info("malloc: %s", ", ".join(f"{k}={v}" for k, v in allocator.items()))
     # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings = OperatorSettings()

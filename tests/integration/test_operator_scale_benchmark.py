@@ -45,3 +45,6 @@ def test_replacements_are_measured_with_the_agents_in_two_processes(tmp_path: Pa
     assert list(peaks.values()) == sorted(peaks.values()) and peaks["failures"] == size["operator_peak_rss_mib"]
     series = size["operator_rss_mib_series"]
     assert len(series) >= 10 and all(0 < mib <= peaks["failures"] + 1 for _, mib in series)
+    memory = size["operator_memory_at_end"]
+    assert set(memory) == {"anon_mib", "file_mib", "shmem_mib", "threads"} and memory["threads"] >= 2
+    assert 0 < memory["anon_mib"] + memory["file_mib"] <= peaks["failures"] + 1
