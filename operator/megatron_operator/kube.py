@@ -32,7 +32,8 @@ from megatron_operator.builders import ANNOTATION_NEXT_SERIAL
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_executor = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kube")
+API_THREADS = 16  # the API client's calls block: they run on these threads, beside the event loop
+_executor = concurrent.futures.ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="kube")
 _api: client.ApiClient | None = None
 CONFLICT_RETRIES = 8
 #: The field manager of the operator's server-side applies (the same in every replica and restart).
@@ -80,6 +81,20 @@ async def _call[T](fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await loop.run_in_executor(_executor, functools.partial(fn, *args, **kwargs))
 
 
+async def _send(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Call an API method whose answer the operator does not use: the answer's body is read and
+    dropped, not parsed into objects (a created or relabelled pod, thousands at once; a job whose
+    status holds a plan of hundreds of kB), and its connection goes back to the pool. A refusal
+    still raises ApiException, with the API server's message."""
+
+    def call() -> None:
+        answer = fn(*args, _preload_content=False, **kwargs)
+        answer.drain_conn()
+        answer.release_conn()
+
+    await asyncio.get_running_loop().run_in_executor(_executor, call)
+
+
 def _exists_ok(exc: ApiException) -> bool:
     return exc.status == 409
 
@@ -87,7 +102,7 @@ def _exists_ok(exc: ApiException) -> bool:
 async def create_pod(body: dict[str, Any]) -> bool:
     """Create a pod; False when a pod of that name already exists."""
     try:
-        await _call(_core().create_namespaced_pod, body["metadata"]["namespace"], body)
+        await _send(_core().create_namespaced_pod, body["metadata"]["namespace"], body)
     except ApiException as exc:
         if _exists_ok(exc):
             return False
@@ -99,7 +114,7 @@ async def delete_pod(namespace: str, name: str, *, force: bool = False) -> None:
     """Delete a pod (gone already is fine); ``force`` skips the grace period."""
     grace = 0 if force else None
     try:
-        await _call(_core().delete_namespaced_pod, name, namespace, grace_period_seconds=grace)
+        await _send(_core().delete_namespaced_pod, name, namespace, grace_period_seconds=grace)
     except ApiException as exc:
         if exc.status != 404:
             raise
@@ -108,7 +123,7 @@ async def delete_pod(namespace: str, name: str, *, force: bool = False) -> None:
 async def patch_pod_labels(namespace: str, name: str, labels: dict[str, str | None]) -> None:
     """Merge labels into a pod (None removes one); a pod gone meanwhile is ignored."""
     try:
-        await _call(_core().patch_namespaced_pod, name, namespace, {"metadata": {"labels": labels}})
+        await _send(_core().patch_namespaced_pod, name, namespace, {"metadata": {"labels": labels}})
     except ApiException as exc:
         if exc.status != 404:
             raise
@@ -233,7 +248,7 @@ async def write_conditions(namespace: str, name: str, conditions: list[dict[str,
 
 async def _patch_status(namespace: str, name: str, body: Any, kind: str) -> None:
     """Patch a job's status subresource with a ``kind`` ("json-patch", "merge-patch") body."""
-    await _call(
+    await _send(
         _custom().patch_namespaced_custom_object_status,
         wire.GROUP,
         wire.VERSION,
