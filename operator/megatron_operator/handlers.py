@@ -170,6 +170,10 @@ class DiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         return super().build(body=body, extra_fields=extra)
 
 
+#: How long kopf's task for one object waits for its next event before it ends (kopf's default: 5 s).
+OBJECT_WORKER_IDLE_SECONDS = 0.5
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf's bookkeeping lives in annotations under our group, so status holds only our schema.
@@ -179,8 +183,10 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only warnings of kopf's own become events; ours are posted explicitly after status writes.
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
-    # kopf waits this long for more events of one object before handling them: keep detection fast.
-    settings.batching.batch_window = 0.02
+    # kopf keeps a task per object that had an event, holding its last event, until it idles this
+    # long: after a burst (4096 pods start running, or are relabelled for a job's first plan) the
+    # default 5 s held thousands of pod bodies at once, and the operator's memory kept that peak.
+    settings.queueing.idle_timeout = OBJECT_WORKER_IDLE_SECONDS
     settings.networking.request_timeout = 30
     # Leader election (see leader.py) keeps a single acting replica; kopf's peering is not needed.
     settings.peering.standalone = True
