@@ -156,9 +156,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stopped.wait(self._every):
             try:
-                for line in Path(f"/proc/{self._pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        self.samples.append((time.time(), int(line.split()[1]) / 1024))
+                self.samples.append((time.time(), proc_status(self._pid)["VmRSS"] / 1024))
             except OSError:  # the operator ended
                 return
 
@@ -250,24 +248,28 @@ def process_cpu_seconds(pid: int, reaped: bool = False) -> float:
     return sum(int(f) for f in fields[11 : 15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
 
 
-def peak_rss_mib(pid: int) -> float:
+def proc_status(pid: int) -> dict[str, int]:
+    """The numeric fields of /proc/PID/status (memory in KiB), by name."""
+    out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        key, _, value = line.partition(":")
+        first = value.split()[:1]
+        if first and first[0].isdigit():
+            out[key] = int(first[0])
+    return out
+
+
+def peak_rss_mib(pid: int) -> float:
+    peak = proc_status(pid).get("VmHWM")
+    return peak / 1024 if peak is not None else float("nan")
 
 
 def memory_now(pid: int) -> dict[str, float]:
     """What the operator's resident memory is made of at the end (MiB; its threads, counted): heap
     and other anonymous pages against mapped files (the interpreter, its libraries)."""
-    wanted = {"RssAnon": "anon_mib", "RssFile": "file_mib", "RssShmem": "shmem_mib", "Threads": "threads"}
-    out: dict[str, float] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in wanted:
-            number = int(value.split()[0])
-            out[wanted[key]] = number if key == "Threads" else round(number / 1024, 1)
-    return out
+    status = proc_status(pid)
+    mib = {"RssAnon": "anon_mib", "RssFile": "file_mib", "RssShmem": "shmem_mib"}
+    return {**{name: round(status[key] / 1024, 1) for key, name in mib.items()}, "threads": status["Threads"]}
 
 
 def summary(values: list[float]) -> dict[str, float]:

@@ -92,7 +92,7 @@ async def _send(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         answer.drain_conn()
         answer.release_conn()
 
-    await asyncio.get_running_loop().run_in_executor(_executor, call)
+    await _call(call)
 
 
 def _exists_ok(exc: ApiException) -> bool:
