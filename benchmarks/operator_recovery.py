@@ -392,6 +392,8 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         stored_s: list[float] = []
         excluded: list[str] = []
         pushed_s: list[float] = []
+        # Each failure by wall-clock time, to read beside the operator log's lines for its plan.
+        timeline: list[dict[str, Any]] = []
         cpu_before = cpu_seconds(pid)
         for i in range(args.failures):
             st = api.status(JOB)
@@ -399,7 +401,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             members = [m["pod"] for m in st["plan"]["members"]]
             victim = rng.choice(members)
             agents.new_receipts()  # what arrived before this failure
-            t_fail = time.monotonic()
+            t_fail, wall_fail = time.monotonic(), time.time()
             api.delete_pod(victim, grace=0)
             t_stored = wait_for(
                 lambda epoch=epoch: watch.first_seen.get(epoch + 1), 60, f"epoch {epoch + 1} stored", interval=0.01
@@ -446,6 +448,17 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
                 + ("" if clean else "  (excluded: not a plan for this failure alone)"),
                 flush=True,
             )
+            timeline.append(
+                {
+                    "victim": victim,
+                    "deleted_at": time.strftime("%H:%M:%S", time.localtime(wall_fail))
+                    + f".{int(wall_fail % 1 * 1000):03d}",
+                    "epoch": plan["epoch"],
+                    "stored_ms": round(stored * 1000, 1),
+                    "pushed_ms": round(pushed * 1000, 1),
+                    "measured": clean,
+                }
+            )
             if i == 0:
                 peak_by_phase["first failure"] = peak_rss_mib(pid)
             # A spare counts as ready once its agent reports: serve the new pod's address meanwhile.
@@ -469,6 +482,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             failures=args.failures,
             measured=len(stored_s),
             excluded=excluded,
+            timeline=timeline,
             stored_s=summary(stored_s),
             pushed_s=summary(pushed_s),
             operator_cpu_s=cpu,

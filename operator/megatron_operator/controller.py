@@ -71,6 +71,17 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _waited(p: _Pass) -> str:
+    """How a pass came to run, for its plan's log line: woken how long before it began, and whether a
+    pass before it was still running then (the time a failure waited behind it)."""
+    if p.woken is None:
+        return "on its timer"
+    waited = f"woken {(p.mono - p.woken) * 1000:.1f} ms before"
+    if p.after is not None and p.after > p.woken:
+        waited += f" (behind a pass that ran {(p.after - p.woken) * 1000:.1f} ms more)"
+    return waited
+
+
 def _created(body: Any) -> float:
     """The job's creation time (Unix seconds); now when the object has none (a test's bare body)."""
     stamp = (body.get("metadata") or {}).get("creationTimestamp")
@@ -101,6 +112,9 @@ class _Pass:
     pods: list[PodFacts]
     plan: MeshPlan | None  # the plan in force: a new one once this pass made it
     now: datetime = dataclasses.field(default_factory=lambda: _now())
+    woken: float | None = None  # when its wake-up call came (None: on its timer)
+    after: float | None = None  # when the pass before it ended
+    observed: float = 0.0  # monotonic time the agents' reports were read
     assessed: float = 0.0  # monotonic time the assessment was made
     fresh: bool = False  # the plan was made in this pass
     stale_plan: bool = False  # a resumed job's plan names pods long gone: push it to nobody
@@ -112,6 +126,24 @@ class _Pass:
 
     def __post_init__(self) -> None:
         self.members = [m.pod for m in self.plan.members] if self.plan is not None else []
+
+
+class _Wake(asyncio.Event):
+    """The controller's wake-up call, and when it first came since the last pass began: a plan's log
+    line says how long its pass waited for the pass before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since: float | None = None
+
+    def set(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+        super().set()
+
+    def clear(self) -> None:
+        self.since = None
+        super().clear()
 
 
 class JobController:
@@ -148,7 +180,9 @@ class JobController:
         # pod's replacement is taken from another domain (planner.py).
         self.node_of: dict[str, str] = {}
         self.placement: dict[str, Placement] = {}
-        self.wake = asyncio.Event()
+        self.wake = _Wake()
+        self._woken: float | None = None  # the wake-up call the pass under way answers
+        self._pass_ended: float | None = None
         self.token: str | None = None
         self.failed: dict[str, Failure] = {}
         self.waiting = False
@@ -228,6 +262,7 @@ class JobController:
         set_up = False
         failures_in_a_row = 0
         while not stopped:
+            self._woken = self.wake.since
             self.wake.clear()
             if self.done:  # finished or invalid: nothing to do until the job is deleted
                 await self._sleep(self.settings.resync_seconds)
@@ -240,8 +275,11 @@ class JobController:
                     await self._setup()
                     set_up = True
                 started = time.monotonic()
-                await self.reconcile_once()
-                metrics.RECONCILE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
+                try:
+                    await self.reconcile_once()
+                finally:
+                    self._pass_ended = time.monotonic()
+                metrics.RECONCILE_SECONDS.labels(**self._labels).observe(self._pass_ended - started)
                 failures_in_a_row = 0
             except asyncio.CancelledError:
                 raise
@@ -365,12 +403,14 @@ class JobController:
             return
         self.pusher.prepare(spec.replicas)  # its push processes ready by the first plan (push.py)
         p = _Pass(spec, self.body.get("metadata", {}).get("generation"), time.monotonic(), self.pods_of(), self.plan)
+        p.woken, p.after = self._woken, self._pass_ended
         p.last_failure, p.recoveries, p.recovery_epoch = (
             self.status.last_failure,
             self.status.recoveries,
             self.status.recovery_epoch,
         )
         signals = self._observe(p)
+        p.observed = time.monotonic()
         # Reports may have come since the pass began (a restarted operator hears its first ones
         # now): a status behind the agents is caught before anything is planned from it (skew.py).
         hold = skew.behind_agents(self._agent_epochs(), self.status.epoch)
@@ -543,12 +583,14 @@ class JobController:
         self._post(p.events)
         p.events = []
         log.info(
-            "%s/%s: plan epoch %d stored (%s); assess %.1f ms, status write %.1f ms",
+            "%s/%s: plan epoch %d stored (%s); %s, reports read %.1f ms, assess %.1f ms, status write %.1f ms",
             self.job.namespace,
             self.job.name,
             new_plan.epoch,
             decision.message[:300],
-            (p.assessed - p.mono) * 1000,
+            _waited(p),
+            (p.observed - p.mono) * 1000,
+            (p.assessed - p.observed) * 1000,
             (time.monotonic() - p.assessed) * 1000,
         )
         self._crash_point("plan-stored")
