@@ -50,6 +50,7 @@ from operator_harness import JobApi, OperatorProcess, RecordingAgents  # noqa: E
 
 from localcluster.cluster import LocalCluster  # noqa: E402
 from localcluster.waiting import wait_for  # noqa: E402
+from megatron_contract.wire import LABEL_JOB  # noqa: E402
 from megatron_operator.settings import GC_THRESHOLDS  # noqa: E402
 
 JOB = "bench"
@@ -176,6 +177,7 @@ class EpochWatch:
         self._watch = watch.Watch()
         self.first_seen: dict[int, float] = {}
         self.plans: dict[int, dict[str, Any]] = {}  # epoch -> the plan as first seen with it
+        self.status: dict[str, Any] = {}  # the newest status seen
         self.writes: list[tuple[float, int]] = []  # (monotonic, bytes of the object) per event
         self._ns = namespace
         self._stopped = threading.Event()
@@ -197,6 +199,7 @@ class EpochWatch:
                     now = time.monotonic()
                     status = event["object"].get("status") or {}
                     epoch = status.get("epoch") or 0
+                    self.status = status
                     if epoch not in self.first_seen:
                         self.plans[epoch] = status.get("plan") or {}
                         self.first_seen[epoch] = now  # after the plan: a reader waits on this
@@ -206,6 +209,65 @@ class EpochWatch:
                 if not self._stopped.is_set():
                     print(f"watch: {exc}", file=sys.stderr)
                 self._stopped.wait(0.5)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._watch.stop()
+
+
+class PodWatch:
+    """The job's pods as a watch sees them. Listing its 4100 pods (~15 MB of JSON) five times a second
+    while the spare pool refilled, and reading the 0.5 MB job as often, loaded the API server the
+    operator was being measured against (and this host) just before each failure."""
+
+    def __init__(self, kubeconfig: Path, namespace: str) -> None:
+        from kubernetes import client, config, watch
+
+        self._api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+        self._watch = watch.Watch(return_type=object)  # plain dicts, not V1Pod objects
+        self._ns = namespace
+        self._lock = threading.Lock()
+        self._pods: dict[str, str | None] = {}  # name -> address while it runs, else None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                for event in self._watch.stream(
+                    self._api.list_namespaced_pod,
+                    self._ns,
+                    label_selector=f"{LABEL_JOB}={JOB}",
+                    timeout_seconds=3600,
+                ):
+                    pod = event["raw_object"]
+                    name, status = pod["metadata"]["name"], pod.get("status") or {}
+                    running = (
+                        status.get("phase") == "Running"
+                        and status.get("podIP")
+                        and not pod["metadata"].get("deletionTimestamp")
+                    )
+                    with self._lock:
+                        if event["type"] == "DELETED":
+                            self._pods.pop(name, None)
+                        else:
+                            self._pods[name] = status["podIP"] if running else None
+            except Exception as exc:  # the watch restarts (listing every pod again)
+                if not self._stopped.is_set():
+                    print(f"pod watch: {exc}", file=sys.stderr)
+                    with self._lock:
+                        self._pods.clear()
+                self._stopped.wait(0.5)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._pods)
+
+    def running(self) -> list[dict[str, Any]]:
+        """The running pods, shaped as the agents' sync takes them."""
+        with self._lock:
+            return [{"metadata": {"name": n}, "status": {"podIP": ip}} for n, ip in self._pods.items() if ip]
 
     def stop(self) -> None:
         self._stopped.set()
@@ -293,6 +355,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
     operator: OperatorProcess | None = None
     agents: AgentsPool | None = None
     watch: EpochWatch | None = None
+    pod_watch: PodWatch | None = None
     result: dict[str, Any] = {"workers": workers, "spares": args.spares}
     try:
         cluster.install_crds()
@@ -336,19 +399,24 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             args.heartbeat_seconds,
         )
         watch = EpochWatch(cluster.kubeconfig, ns)  # after the forks above: the children need no threads
+        pod_watch = PodWatch(cluster.kubeconfig, ns)
         result["agent_processes"] = args.agent_processes
         result["operator_log"] = str(operator.log_path)
         result["push_processes"] = args.push_processes  # None: the operator's default
         print(f"recording agents in {args.agent_processes} process(es)", flush=True)
         total = workers + args.spares
 
+        synced: list[dict[str, Any]] = []
+
         def sync_agents() -> int:
-            pods = api.running_pods(JOB)
-            agents.sync(pods)
+            pods = pod_watch.running()
+            if pods != synced:  # the agents' processes told only of a change
+                agents.sync(pods)
+                synced[:] = pods
             return len(pods)
 
         create: dict[str, float] = {}
-        wait_for(lambda: len(api.pods(JOB)) >= total, 900, "every pod created", interval=0.5)
+        wait_for(lambda: pod_watch.count() >= total, 900, "every pod created", interval=0.5)
         create["every_pod_created_s"] = time.monotonic() - t0
         peak_by_phase = {"every pod created": peak_rss_mib(pid)}  # the peak so far: where it grows
         print(f"every pod created in {create['every_pod_created_s']:.1f} s", flush=True)
@@ -356,7 +424,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         create["every_pod_running_s"] = time.monotonic() - t0
         peak_by_phase["every pod running"] = peak_rss_mib(pid)
         print(f"every pod running in {create['every_pod_running_s']:.1f} s", flush=True)
-        wait_for(lambda: api.status(JOB).get("phase") == "Running", 300, "the first step of epoch 1", interval=0.1)
+        wait_for(lambda: watch.status.get("phase") == "Running", 300, "the first step of epoch 1", interval=0.1)
         create["first_step_s"] = time.monotonic() - t0
         peak_by_phase["first step"] = peak_rss_mib(pid)
         cpu["create"] = cpu_seconds(pid) - cpu["start"]
@@ -396,13 +464,14 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         timeline: list[dict[str, Any]] = []
         cpu_before = cpu_seconds(pid)
         for i in range(args.failures):
-            st = api.status(JOB)
+            st = watch.status
             epoch = st["epoch"]
             members = [m["pod"] for m in st["plan"]["members"]]
             victim = rng.choice(members)
             agents.new_receipts()  # what arrived before this failure
             t_fail, wall_fail = time.monotonic(), time.time()
             api.delete_pod(victim, grace=0)
+            deleted = time.monotonic() - t_fail  # the API server's answer
             t_stored = wait_for(
                 lambda epoch=epoch: watch.first_seen.get(epoch + 1), 60, f"epoch {epoch + 1} stored", interval=0.01
             )
@@ -454,6 +523,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
                     "deleted_at": time.strftime("%H:%M:%S", time.localtime(wall_fail))
                     + f".{int(wall_fail % 1 * 1000):03d}",
                     "epoch": plan["epoch"],
+                    "delete_answered_ms": round(deleted * 1000, 1),
                     "stored_ms": round(stored * 1000, 1),
                     "pushed_ms": round(pushed * 1000, 1),
                     "measured": clean,
@@ -465,7 +535,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
             wait_for(
                 lambda: (
                     sync_agents() >= total
-                    and (s := api.status(JOB)).get("sparesReady") == args.spares
+                    and (s := watch.status).get("sparesReady") == args.spares
                     and s.get("phase") == "Running"
                 ),
                 300,
@@ -525,6 +595,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         # the next run's loopback addresses.
         steps = [
             watch.stop if watch is not None else None,
+            pod_watch.stop if pod_watch is not None else None,
             agents.close if agents is not None else None,
             operator.stop if operator is not None else None,
             cluster.stop,
