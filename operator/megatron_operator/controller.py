@@ -15,6 +15,7 @@ changes, on agent reports that matter, and at least every few seconds to check h
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -72,11 +73,11 @@ def _now() -> datetime:
 
 
 def _waited(p: _Pass) -> str:
-    """How a pass came to run, for its plan's log line: woken how long before it began, and whether a
-    pass before it was still running then (the time a failure waited behind it)."""
+    """How a pass came to run, for its plan's log line: what woke it how long before it began, and
+    whether a pass before it was still running then (the time a failure waited behind it)."""
     if p.woken is None:
         return "on its timer"
-    waited = f"woken {(p.mono - p.woken) * 1000:.1f} ms before"
+    waited = f"woken by {p.why} {(p.mono - p.woken) * 1000:.1f} ms before"
     if p.after is not None and p.after > p.woken:
         waited += f" (behind a pass that ran {(p.after - p.woken) * 1000:.1f} ms more)"
     return waited
@@ -113,6 +114,7 @@ class _Pass:
     plan: MeshPlan | None  # the plan in force: a new one once this pass made it
     now: datetime = dataclasses.field(default_factory=lambda: _now())
     woken: float | None = None  # when its wake-up call came (None: on its timer)
+    why: str = "timer"  # what woke it
     after: float | None = None  # when the pass before it ended
     observed: float = 0.0  # monotonic time the agents' reports were read
     assessed: float = 0.0  # monotonic time the assessment was made
@@ -129,21 +131,26 @@ class _Pass:
 
 
 class _Wake(asyncio.Event):
-    """The controller's wake-up call, and when it first came since the last pass began: a plan's log
-    line says how long its pass waited for the pass before it."""
+    """The controller's wake-up call: when it first came since the last pass began, and why. A plan's
+    log line says how long its pass waited, and what woke the passes since the plan before."""
 
     def __init__(self) -> None:
         super().__init__()
         self.since: float | None = None
+        self.why = TIMER
 
-    def set(self) -> None:
+    def set(self, why: str = "other") -> None:
         if self.since is None:
-            self.since = time.monotonic()
+            self.since, self.why = time.monotonic(), why
         super().set()
 
     def clear(self) -> None:
-        self.since = None
+        self.since, self.why = None, TIMER
         super().clear()
+
+
+#: What woke a pass (``_Wake.set``'s ``why``); a pass nothing woke ran on its timer.
+TIMER = "timer"
 
 
 class JobController:
@@ -183,6 +190,8 @@ class JobController:
         self.wake = _Wake()
         self._woken: float | None = None  # the wake-up call the pass under way answers
         self._pass_ended: float | None = None
+        self._why = TIMER
+        self.passes: collections.Counter[str] = collections.Counter()  # since the last plan, by what woke them
         self.token: str | None = None
         self.failed: dict[str, Failure] = {}
         self.waiting = False
@@ -242,17 +251,17 @@ class JobController:
         for report in reports:
             metrics.REPORTS.labels(**self._labels).inc()
             if report.failed_peers or not report.healthy or report.suspend_step is not None or report.suspend_error:
-                self.wake.set()  # a failure to act on, or a suspension's checkpoint written (or not)
+                self.wake.set("report")  # a failure to act on, or a suspension's checkpoint written (or not)
             if plan is None or report.pod not in members:
                 continue
             if report.epoch > plan.epoch:
-                self.wake.set()  # the status is behind this agent: the next pass holds (skew.py)
+                self.wake.set("report")  # the status is behind this agent: the next pass holds (skew.py)
             elif self.delivery.reported(report.pod, report.epoch, plan):
-                self.wake.set()  # it is behind: push again now
+                self.wake.set("report")  # it is behind: push again now
             if report.epoch == plan.epoch and report.step is not None and self.status.committed_epoch < plan.epoch:
                 stepped.add(report.pod)
                 if len(stepped) >= len(members):
-                    self.wake.set()  # every member stepped in this epoch: the job trains again
+                    self.wake.set("report")  # every member stepped in this epoch: the job trains again
         return plan.epoch if plan is not None else 0
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -263,6 +272,8 @@ class JobController:
         failures_in_a_row = 0
         while not stopped:
             self._woken = self.wake.since
+            self._why = self.wake.why
+            self.passes[self._why] += 1
             self.wake.clear()
             if self.done:  # finished or invalid: nothing to do until the job is deleted
                 await self._sleep(self.settings.resync_seconds)
@@ -403,7 +414,7 @@ class JobController:
             return
         self.pusher.prepare(spec.replicas)  # its push processes ready by the first plan (push.py)
         p = _Pass(spec, self.body.get("metadata", {}).get("generation"), time.monotonic(), self.pods_of(), self.plan)
-        p.woken, p.after = self._woken, self._pass_ended
+        p.woken, p.after, p.why = self._woken, self._pass_ended, self._why
         p.last_failure, p.recoveries, p.recovery_epoch = (
             self.status.last_failure,
             self.status.recoveries,
@@ -583,7 +594,8 @@ class JobController:
         self._post(p.events)
         p.events = []
         log.info(
-            "%s/%s: plan epoch %d stored (%s); %s, reports read %.1f ms, assess %.1f ms, status write %.1f ms",
+            "%s/%s: plan epoch %d stored (%s); %s, reports read %.1f ms, assess %.1f ms, status write %.1f ms; "
+            "passes since the plan before: %s",
             self.job.namespace,
             self.job.name,
             new_plan.epoch,
@@ -592,7 +604,9 @@ class JobController:
             (p.observed - p.mono) * 1000,
             (p.assessed - p.observed) * 1000,
             (time.monotonic() - p.assessed) * 1000,
+            ", ".join(f"{why} {n}" for why, n in self.passes.most_common()),
         )
+        self.passes.clear()
         self._crash_point("plan-stored")
 
     async def _deliver(self, p: _Pass) -> bool:

@@ -130,21 +130,21 @@ class Registry:
         self._node_facts[name] = facts
         return facts != old
 
-    def wake(self, namespace: str, name: str) -> None:
+    def wake(self, namespace: str, name: str, why: str) -> None:
         ctl = self.by_key.get((namespace, name))
         if ctl is not None:
-            ctl.wake.set()
+            ctl.wake.set(why)
 
     def children_gone(self, namespace: str, name: str) -> None:
         """A child of the job was deleted: have its controller apply its children again now."""
         ctl = self.by_key.get((namespace, name))
         if ctl is not None:
             ctl.children.due = True
-            ctl.wake.set()
+            ctl.wake.set("child deleted")
 
-    def wake_all(self) -> None:
+    def wake_all(self, why: str) -> None:
         for ctl in self.by_uid.values():
-            ctl.wake.set()
+            ctl.wake.set(why)
 
 
 REGISTRY = Registry(OperatorSettings())
@@ -233,7 +233,7 @@ async def pod_event(
     REGISTRY.pods_index = kwargs["pods_by_job"]
     job = (namespace or "", labels[wire.LABEL_JOB])
     if REGISTRY.pod_changed(type, job, body):
-        REGISTRY.wake(*job)
+        REGISTRY.wake(*job, "pod")
 
 
 @kopf.on.event("services", labels={wire.LABEL_JOB: kopf.PRESENT})
@@ -261,7 +261,7 @@ async def workload_event(
         REGISTRY.workloads.pop(key, None)
     else:
         REGISTRY.workloads[key] = copy.deepcopy(dict(body))
-    REGISTRY.wake(*key)
+    REGISTRY.wake(*key, "workload")
 
 
 @kopf.on.event("nodes")
@@ -271,7 +271,7 @@ async def node_event(type: str | None, name: str, body: kopf.Body, **kwargs: Any
     REGISTRY.node_draining_index = kwargs["node_draining_state"]
     changed = REGISTRY.node_changed(type, name, body)
     if type is not None and changed:  # not the initial listing
-        REGISTRY.wake_all()
+        REGISTRY.wake_all("node")
 
 
 @kopf.daemon(wire.GROUP, wire.VERSION, wire.PLURAL, cancellation_timeout=2.0)

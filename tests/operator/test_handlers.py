@@ -11,7 +11,8 @@ wake only their job's controller, and only when the pod is new or gone or a fact
 of it changed other than the role and replica labels it sets itself; node events wake every job
 only when a node's readiness, labels or draining state changed; a deleted Service has only its
 job's controller apply its children at once; the diff base kopf keeps is kopf's own, made without
-copying the status; at startup kopf is told to keep its bookkeeping in our annotations and to end an
+copying the status; a wake-up call keeps when and why it first came (a pod, node or report event)
+until the pass takes it; at startup kopf is told to keep its bookkeeping in our annotations and to end an
 object's task half a second after its last event (its default 5 s held thousands of pod bodies).
 """
 
@@ -90,7 +91,7 @@ def test_only_the_last_members_first_step_wakes_the_controller() -> None:
     registry.accept_reports(JOB_UID, [_report("spare-9", 1, step=5)])  # not a member
     assert not ctl.wake.is_set()
     registry.accept_reports(JOB_UID, [_report("p1", 1, step=5)])
-    assert ctl.wake.is_set()
+    assert ctl.wake.is_set() and ctl.wake.why == "report"
 
 
 def test_older_epoch_schedules_a_push_now() -> None:
@@ -111,6 +112,18 @@ def test_failed_peer_and_unhealthy_agent_wake_the_controller() -> None:
         assert ctl.wake.is_set()
 
 
+def test_a_wake_up_call_keeps_when_and_why_it_first_came_until_the_pass_takes_it() -> None:
+    _, ctl = _registry_with_job()
+    assert (ctl.wake.since, ctl.wake.why) == (None, "timer")
+    ctl.wake.set("pod")
+    first = ctl.wake.since
+    assert first is not None
+    ctl.wake.set("node")  # a second call before the pass: the first one's time and cause stay
+    assert (ctl.wake.since, ctl.wake.why) == (first, "pod")
+    ctl.wake.clear()  # the pass took it
+    assert (ctl.wake.since, ctl.wake.why, ctl.wake.is_set()) == (None, "timer", False)
+
+
 def _pod_event(pod: dict[str, Any], type: str | None = "MODIFIED") -> None:
     labels = pod["metadata"]["labels"]
     asyncio.run(handlers.pod_event(type=type, namespace="ns", labels=labels, body=pod, pods_by_job={}))  # type: ignore[arg-type]
@@ -123,7 +136,7 @@ def test_pod_events_wake_only_their_job() -> None:
         _pod_event(make_pod("other-0", job="other"), None)
         assert not ctl.wake.is_set()
         _pod_event(make_pod("job-0"), None)
-        assert ctl.wake.is_set()
+        assert ctl.wake.is_set() and ctl.wake.why == "pod"
     finally:
         handlers.REGISTRY = saved
 
@@ -153,7 +166,7 @@ def test_node_events_wake_the_jobs_only_when_readiness_labels_or_draining_change
             | {"spec": {"unschedulable": True}},
         ):
             _node_event(change)
-            assert ctl.wake.is_set()
+            assert ctl.wake.is_set() and ctl.wake.why == "node"
             ctl.wake.clear()
         _node_event(make_node("gpu-1"), "DELETED")
         assert ctl.wake.is_set()
