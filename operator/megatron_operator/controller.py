@@ -138,13 +138,27 @@ class _Wake(asyncio.Event):
         super().__init__()
         self.since: float | None = None
         self.why = TIMER
+        self._soon: asyncio.TimerHandle | None = None
 
     def set(self, why: str = "other") -> None:
         if self.since is None:
             self.since, self.why = time.monotonic(), why
         super().set()
 
+    def set_soon(self, why: str, delay: float) -> None:
+        """Set in ``delay`` seconds, unless already set or due: the calls of a burst wake one pass."""
+        if not self.is_set() and self._soon is None:
+            self._soon = asyncio.get_running_loop().call_later(delay, self._due, why)
+
+    def _due(self, why: str) -> None:
+        self._soon = None
+        self.set(why)
+
     def clear(self) -> None:
+        """The pass about to begin reads everything that happened so far: a call due later is void."""
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         self.since, self.why = None, TIMER
         super().clear()
 

@@ -142,9 +142,12 @@ class Registry:
             ctl.children.due = True
             ctl.wake.set("child deleted")
 
-    def wake_all(self, why: str) -> None:
+    def wake_all(self, why: str, delay: float = 0.0) -> None:
         for ctl in self.by_uid.values():
-            ctl.wake.set(why)
+            if delay > 0:
+                ctl.wake.set_soon(why, delay)
+            else:
+                ctl.wake.set(why)
 
 
 REGISTRY = Registry(OperatorSettings())
@@ -169,6 +172,13 @@ class DiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
             body = kopf.Body(cast(kopf.RawBody, {k: v for k, v in body.items() if k != "status"}))
         return super().build(body=body, extra_fields=extra)
 
+
+#: Node events wake the jobs at most this often. No node change acts at once (a NotReady node fails
+#: its pods only after the controller's grace of NODE_NOT_READY_GRACE_SECONDS; labels and draining
+#: are not urgent), and the control plane rewrites nodes in bursts (kube-controller-manager marking
+#: many at once): at 4096 pods each pass they woke held the event loop for 80-250 ms, and a pod
+#: failure arriving meanwhile waited behind it.
+NODE_WAKE_DELAY_SECONDS = 0.5
 
 #: How long kopf's task for one object waits for its next event before it ends (kopf's default: 5 s).
 OBJECT_WORKER_IDLE_SECONDS = 0.5
@@ -271,7 +281,7 @@ async def node_event(type: str | None, name: str, body: kopf.Body, **kwargs: Any
     REGISTRY.node_draining_index = kwargs["node_draining_state"]
     changed = REGISTRY.node_changed(type, name, body)
     if type is not None and changed:  # not the initial listing
-        REGISTRY.wake_all("node")
+        REGISTRY.wake_all("node", NODE_WAKE_DELAY_SECONDS)
 
 
 @kopf.daemon(wire.GROUP, wire.VERSION, wire.PLURAL, cancellation_timeout=2.0)

@@ -9,7 +9,8 @@ failed meanwhile) and wakes nobody, nor does a member's step of the plan's epoch
 member's; a report naming a failed peer or an unhealthy agent wakes it; pod events
 wake only their job's controller, and only when the pod is new or gone or a fact the operator keeps
 of it changed other than the role and replica labels it sets itself; node events wake every job
-only when a node's readiness, labels or draining state changed; a deleted Service has only its
+only when a node's readiness, labels or draining state changed, and half a second later (a burst
+of them wakes one pass; a pass begun meanwhile voids the call still due); a deleted Service has only its
 job's controller apply its children at once; the diff base kopf keeps is kopf's own, made without
 copying the status; a wake-up call keeps when and why it first came (a pod, node or report event)
 until the pass takes it; at startup kopf is told to keep its bookkeeping in our annotations and to end an
@@ -141,22 +142,29 @@ def test_pod_events_wake_only_their_job() -> None:
         handlers.REGISTRY = saved
 
 
-def _node_event(node: dict[str, Any], type: str | None = "MODIFIED") -> None:
-    event = handlers.node_event(
+async def _node_event(node: dict[str, Any], type: str | None = "MODIFIED") -> None:
+    await handlers.node_event(
         type=type, name=node["metadata"]["name"], body=node, node_readiness={}, node_labels={}, node_draining_state={}
     )  # type: ignore[arg-type]
-    asyncio.run(event)
+
+
+async def _woken_after_node_delay(ctl: JobController) -> bool:
+    """Whether the controller is woken once node events' delay has passed (and not before it)."""
+    before = ctl.wake.is_set()
+    await asyncio.sleep(handlers.NODE_WAKE_DELAY_SECONDS + 0.05)
+    return not before and ctl.wake.is_set() and ctl.wake.why == "node"
 
 
 def test_node_events_wake_the_jobs_only_when_readiness_labels_or_draining_change() -> None:
     registry, ctl = _registry_with_job()
     handlers.REGISTRY, saved = registry, handlers.REGISTRY
-    try:
+
+    async def scenario() -> None:
         node = make_node("gpu-1")
-        _node_event(node, None)  # the initial listing
-        assert not ctl.wake.is_set()
+        await _node_event(node, None)  # the initial listing
         node["status"]["conditions"][0]["lastHeartbeatTime"] = "2026-01-01T00:00:10Z"  # a kubelet's heartbeat
-        _node_event(node)
+        await _node_event(node)
+        await asyncio.sleep(handlers.NODE_WAKE_DELAY_SECONDS + 0.05)
         assert not ctl.wake.is_set()
         for change in (
             make_node("gpu-1", "Unknown"),
@@ -165,11 +173,28 @@ def test_node_events_wake_the_jobs_only_when_readiness_labels_or_draining_change
             | {"metadata": {"name": "gpu-1", "labels": {"zone": "b"}}}
             | {"spec": {"unschedulable": True}},
         ):
-            _node_event(change)
-            assert ctl.wake.is_set() and ctl.wake.why == "node"
+            await _node_event(change)
+            assert await _woken_after_node_delay(ctl)
             ctl.wake.clear()
-        _node_event(make_node("gpu-1"), "DELETED")
-        assert ctl.wake.is_set()
+        await _node_event(make_node("gpu-1"), "DELETED")
+        assert await _woken_after_node_delay(ctl)
+        ctl.wake.clear()
+        # A burst of node changes wakes one pass; a pass that began meanwhile (it reads the nodes as
+        # they are then) voids the wake-up call still due.
+        for i in range(5):
+            await _node_event(make_node(f"gpu-{i + 2}"), "DELETED")
+        assert await _woken_after_node_delay(ctl)
+        ctl.wake.clear()
+        await asyncio.sleep(handlers.NODE_WAKE_DELAY_SECONDS + 0.05)
+        assert not ctl.wake.is_set()
+        await _node_event(make_node("gpu-1"), "DELETED")
+        ctl.wake.set("pod")
+        ctl.wake.clear()  # the pass woken by the pod
+        await asyncio.sleep(handlers.NODE_WAKE_DELAY_SECONDS + 0.05)
+        assert not ctl.wake.is_set()
+
+    try:
+        asyncio.run(scenario())
     finally:
         handlers.REGISTRY = saved
 
