@@ -167,98 +167,106 @@ class RssSampler:
         return self.samples
 
 
-class EpochWatch:
-    """Watches the job and stamps the moment each epoch first appears in its status."""
+class _Watch:
+    """A watch of one kind of object, in a thread of its own; begun again (listing every object
+    again) when it ends or fails."""
 
-    def __init__(self, kubeconfig: Path, namespace: str) -> None:
-        from kubernetes import client, config, watch
+    def __init__(self, name: str, list_objects: Any, *args: Any, **kwargs: Any) -> None:
+        from kubernetes import watch
 
-        self._api = client.CustomObjectsApi(config.new_client_from_config(str(kubeconfig)))
-        self._watch = watch.Watch()
-        self.first_seen: dict[int, float] = {}
-        self.plans: dict[int, dict[str, Any]] = {}  # epoch -> the plan as first seen with it
-        self.status: dict[str, Any] = {}  # the newest status seen
-        self.writes: list[tuple[float, int]] = []  # (monotonic, bytes of the object) per event
-        self._ns = namespace
+        self._name, self._list, self._args, self._kwargs = name, list_objects, args, kwargs
+        self._watch = watch.Watch(return_type=object)  # plain dicts, not the client's model objects
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
     def _run(self) -> None:
         while not self._stopped.is_set():
+            self._begin()
             try:
-                for event in self._watch.stream(
-                    self._api.list_namespaced_custom_object,
-                    "megatron.dev",
-                    "v1alpha1",
-                    self._ns,
-                    "megatronjobs",
-                    field_selector=f"metadata.name={JOB}",
-                    timeout_seconds=300,
-                ):
-                    now = time.monotonic()
-                    status = event["object"].get("status") or {}
-                    epoch = status.get("epoch") or 0
-                    self.status = status
-                    if epoch not in self.first_seen:
-                        self.plans[epoch] = status.get("plan") or {}
-                        self.first_seen[epoch] = now  # after the plan: a reader waits on this
-                    if event["type"] == "MODIFIED":
-                        self.writes.append((now, len(json.dumps(event["object"], separators=(",", ":")))))
-            except Exception as exc:  # the watch restarts; a lost event only delays a stamp
+                for event in self._watch.stream(self._list, *self._args, **self._kwargs):
+                    self._event(event["type"], event["raw_object"])
+            except Exception as exc:
                 if not self._stopped.is_set():
-                    print(f"watch: {exc}", file=sys.stderr)
+                    print(f"{self._name} watch: {exc}", file=sys.stderr)
                 self._stopped.wait(0.5)
+
+    def _begin(self) -> None:
+        """Each (re)start, before the listing's events."""
+
+    def _event(self, type: str, obj: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def stop(self) -> None:
         self._stopped.set()
         self._watch.stop()
 
 
-class PodWatch:
+class EpochWatch(_Watch):
+    """Watches the job and stamps the moment each epoch first appears in its status (a lost event
+    only delays a stamp)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str) -> None:
+        from kubernetes import client, config
+
+        api = client.CustomObjectsApi(config.new_client_from_config(str(kubeconfig)))
+        super().__init__(
+            "job",
+            api.list_namespaced_custom_object,
+            "megatron.dev",
+            "v1alpha1",
+            namespace,
+            "megatronjobs",
+            field_selector=f"metadata.name={JOB}",
+            timeout_seconds=300,
+        )
+        self.first_seen: dict[int, float] = {}
+        self.plans: dict[int, dict[str, Any]] = {}  # epoch -> the plan as first seen with it
+        self.status: dict[str, Any] = {}  # the newest status seen
+        self.writes: list[tuple[float, int]] = []  # (monotonic, bytes of the object) per event
+        self._thread.start()
+
+    def _event(self, type: str, obj: dict[str, Any]) -> None:
+        now = time.monotonic()
+        status = obj.get("status") or {}
+        epoch = status.get("epoch") or 0
+        self.status = status
+        if epoch not in self.first_seen:
+            self.plans[epoch] = status.get("plan") or {}
+            self.first_seen[epoch] = now  # after the plan: a reader waits on this
+        if type == "MODIFIED":
+            self.writes.append((now, len(json.dumps(obj, separators=(",", ":")))))
+
+
+class PodWatch(_Watch):
     """The job's pods as a watch sees them. Listing its 4100 pods (~15 MB of JSON) five times a second
     while the spare pool refilled, and reading the 0.5 MB job as often, loaded the API server the
     operator was being measured against (and this host) just before each failure."""
 
     def __init__(self, kubeconfig: Path, namespace: str) -> None:
-        from kubernetes import client, config, watch
+        from kubernetes import client, config
 
-        self._api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
-        self._watch = watch.Watch(return_type=object)  # plain dicts, not V1Pod objects
-        self._ns = namespace
+        api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+        super().__init__(
+            "pod", api.list_namespaced_pod, namespace, label_selector=f"{LABEL_JOB}={JOB}", timeout_seconds=3600
+        )
         self._lock = threading.Lock()
         self._pods: dict[str, str | None] = {}  # name -> address while it runs, else None
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                for event in self._watch.stream(
-                    self._api.list_namespaced_pod,
-                    self._ns,
-                    label_selector=f"{LABEL_JOB}={JOB}",
-                    timeout_seconds=3600,
-                ):
-                    pod = event["raw_object"]
-                    name, status = pod["metadata"]["name"], pod.get("status") or {}
-                    running = (
-                        status.get("phase") == "Running"
-                        and status.get("podIP")
-                        and not pod["metadata"].get("deletionTimestamp")
-                    )
-                    with self._lock:
-                        if event["type"] == "DELETED":
-                            self._pods.pop(name, None)
-                        else:
-                            self._pods[name] = status["podIP"] if running else None
-            except Exception as exc:  # the watch restarts (listing every pod again)
-                if not self._stopped.is_set():
-                    print(f"pod watch: {exc}", file=sys.stderr)
-                    with self._lock:
-                        self._pods.clear()
-                self._stopped.wait(0.5)
+    def _begin(self) -> None:
+        with self._lock:  # the listing tells every pod again; a pod deleted meanwhile would stay
+            self._pods.clear()
+
+    def _event(self, type: str, pod: dict[str, Any]) -> None:
+        name, status = pod["metadata"]["name"], pod.get("status") or {}
+        running = (
+            status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get("deletionTimestamp")
+        )
+        with self._lock:
+            if type == "DELETED":
+                self._pods.pop(name, None)
+            else:
+                self._pods[name] = status["podIP"] if running else None
 
     def count(self) -> int:
         with self._lock:
@@ -268,10 +276,6 @@ class PodWatch:
         """The running pods, shaped as the agents' sync takes them."""
         with self._lock:
             return [{"metadata": {"name": n}, "status": {"podIP": ip}} for n, ip in self._pods.items() if ip]
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._watch.stop()
 
 
 def percentile(values: list[float], q: float) -> float:
