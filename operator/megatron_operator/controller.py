@@ -9,7 +9,9 @@ are idempotent); (4) the status is recomputed and written once if it changed, an
 the events posted.
 
 A job's controller runs as a kopf daemon: it wakes on every event of the job's pods, on node
-changes, on agent reports that matter, and at least every few seconds to check heartbeats.
+changes (half a second later: a burst of them wakes one pass), on agent reports that matter, and at
+least every few seconds to check heartbeats. A pass decides without an await, holding the event loop
+(80-250 ms at 4096 pods): a plan's log line says what woke its pass and how long it waited.
 """
 
 from __future__ import annotations
