@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
 from operator_factories import make_job  # noqa: E402
-from operator_harness import JobApi, OperatorProcess, RecordingAgents  # noqa: E402
+from operator_harness import JobApi, OperatorProcess, RecordingAgents, pod_runs  # noqa: E402
 
 from localcluster.cluster import LocalCluster  # noqa: E402
 from localcluster.waiting import wait_for  # noqa: E402
@@ -258,15 +258,12 @@ class PodWatch(_Watch):
             self._pods.clear()
 
     def _event(self, type: str, pod: dict[str, Any]) -> None:
-        name, status = pod["metadata"]["name"], pod.get("status") or {}
-        running = (
-            status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get("deletionTimestamp")
-        )
+        name = pod["metadata"]["name"]
         with self._lock:
             if type == "DELETED":
                 self._pods.pop(name, None)
             else:
-                self._pods[name] = status["podIP"] if running else None
+                self._pods[name] = pod["status"]["podIP"] if pod_runs(pod) else None
 
     def count(self) -> int:
         with self._lock:

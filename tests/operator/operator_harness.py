@@ -349,6 +349,14 @@ class RecordingAgents:
         self._thread.join(10)
 
 
+def pod_runs(pod: dict[str, Any]) -> bool:
+    """Whether a pod (as the API server returns it) runs, has its address, and is not being deleted."""
+    status = pod.get("status") or {}
+    return bool(
+        status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get("deletionTimestamp")
+    )
+
+
 class JobApi:
     """Small helpers over LocalCluster.request for one namespace."""
 
@@ -384,13 +392,7 @@ class JobApi:
         return items
 
     def running_pods(self, job: str) -> list[dict[str, Any]]:
-        return [
-            p
-            for p in self.pods(job)
-            if (p.get("status") or {}).get("phase") == "Running"
-            and p["status"].get("podIP")
-            and not p["metadata"].get("deletionTimestamp")
-        ]
+        return [p for p in self.pods(job) if pod_runs(p)]
 
     def delete_pod(self, name: str, grace: int | None = 0) -> None:
         query = f"?gracePeriodSeconds={grace}" if grace is not None else ""
