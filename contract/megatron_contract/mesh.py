@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from datetime import datetime
 
 from pydantic import Field, model_validator
@@ -119,6 +120,11 @@ class MeshSizes(OpenWireModel):
         tp, cp, dp, pp = self._split(rank)
         return (tp, cp, pp, self._expert_rank_at(cp, dp))
 
+    def shard_keys(self) -> tuple[tuple[int, int, int, int], ...]:
+        """:meth:`shard_key` of every rank, by rank: made once per set of sizes (a plan of a large job
+        asks it of every rank of both meshes; rank by rank that was ~100 ms at 4096 pods x 8 GPUs)."""
+        return _shard_keys(self.tp, self.cp, self.dp, self.pp, self.ep)
+
     def coords_of(self, rank: int) -> MeshCoords:
         """Coordinates of a global rank; inverse of :meth:`rank_of`."""
         tp, cp, dp, pp = self._split(rank)
@@ -132,6 +138,19 @@ class MeshSizes(OpenWireModel):
         cp, rest = rest % self.cp, rest // self.cp
         dp, pp = rest % self.dp, rest // self.dp
         return tp, cp, dp, pp
+
+
+@functools.lru_cache(maxsize=8)
+def _shard_keys(tp: int, cp: int, dp: int, pp: int, ep: int) -> tuple[tuple[int, int, int, int], ...]:
+    # In rank order (tp fastest, then cp, dp, pp); one tuple per distinct key, shared by its ranks.
+    distinct: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}
+    keys: list[tuple[int, int, int, int]] = []
+    for p in range(pp):
+        for d in range(dp):
+            for c in range(cp):
+                expert = (c + cp * d) % ep
+                keys.extend(distinct.setdefault((t, c, p, expert), (t, c, p, expert)) for t in range(tp))
+    return tuple(keys)
 
 
 class MeshCoords(WireModel):

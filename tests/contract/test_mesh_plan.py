@@ -49,6 +49,13 @@ def test_shard_key_is_the_coordinates_model_parallel_key_and_expert_rank(
         sizes.shard_key(sizes.world)
 
 
+@given(sizes_st, st.sampled_from([1, 2, 4]))
+def test_the_table_of_shard_keys_is_every_ranks_shard_key(sizes: MeshSizes, ep: int) -> None:
+    assume(sizes.dp % ep == 0)
+    sizes = MeshSizes(**{**sizes.model_dump(), "ep": ep})
+    assert sizes.shard_keys() == tuple(sizes.shard_key(rank) for rank in range(sizes.world))
+
+
 def test_rank_math_refuses_out_of_range() -> None:
     sizes = MeshSizes(world=8, tp=2, pp=2, cp=1, dp=2)
     with pytest.raises(MeshError):

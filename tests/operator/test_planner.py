@@ -147,6 +147,23 @@ def test_failed_pod_is_replaced_by_spare_in_place() -> None:
     assert new.rendezvous.host != "127.64.0.5"  # the newcomer does not host the store
 
 
+def test_a_member_that_stays_as_it_was_is_the_previous_plans_and_only_such_a_member() -> None:
+    spec = make_spec(replicas=4, spares=1, tp=2, gpus_per_pod=2)
+    pods = make_pod_refs(5)
+    plan = _initial(spec, pods[:4])
+    # p2 was written by another version, with a field this one does not know: not repeated.
+    members = [m.model_copy(update={"vendorHint": 1}) if m.pod == "p2" else m for m in plan.members]
+    plan = plan.model_copy(update={"members": members})
+    moved = PodRef("p3", "uid-p3", "127.64.9.9")  # p3 is back at another address
+    survivors = [pods[0], pods[2], moved]
+    new = plan_mesh(spec, JOB_UID, survivors, [pods[4]], ["p1"], plan, resume_step=7).plan
+    assert new is not None
+    assert new.member("p0") is plan.member("p0")
+    assert new.member("p2") is not plan.member("p2") and not new.member("p2").model_extra  # type: ignore[union-attr]
+    assert new.member("p3").address == "127.64.9.9"  # type: ignore[union-attr]
+    assert new.member("p4").ranks == plan.member("p1").ranks  # type: ignore[union-attr]
+
+
 def test_shrink_drops_whole_replicas_and_returns_healthy_pods() -> None:
     # A replica spans two pods (tp=2, pp=2, 2 GPUs per pod); no spares.
     spec = make_spec(replicas=3, min_replicas=1, spares=0, tp=2, pp=2, gpus_per_pod=2)
