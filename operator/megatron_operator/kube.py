@@ -49,6 +49,20 @@ class NotServed(KubeError):
     """The API server does not serve that kind of object (its CRD is not installed)."""
 
 
+class JsonBody(dict[str, Any]):
+    """A request body made of JSON types only (str, numbers, bools, None, lists, dicts), as
+    ``model_dump(mode="json")`` makes them: sent without the API client's walk over every value,
+    which exists to turn its own models and datetimes into JSON types (~17-45 ms of a status write at
+    4096 pods, on the path from a failure to its plan stored)."""
+
+
+class _ApiClient(client.ApiClient):
+    def sanitize_for_serialization(self, obj: Any) -> Any:
+        if isinstance(obj, JsonBody):
+            return obj
+        return super().sanitize_for_serialization(obj)
+
+
 def configure(kubeconfig: str | None = None) -> client.ApiClient:
     """Load credentials (in-cluster, or a kubeconfig) once; returns the shared ApiClient."""
     global _api
@@ -60,7 +74,7 @@ def configure(kubeconfig: str | None = None) -> client.ApiClient:
         config.load_kube_config(config_file=kubeconfig)
     cfg = client.Configuration.get_default_copy()
     cfg.connection_pool_maxsize = 32
-    _api = client.ApiClient(cfg)
+    _api = _ApiClient(cfg)
     return _api
 
 
@@ -235,9 +249,10 @@ async def write_status(namespace: str, name: str, status: dict[str, Any]) -> Non
     A JSON Patch ``add /status`` is applied by the API server to the object as stored, so a
     concurrent change of the job's metadata or spec (a label, an annotation, kopf's bookkeeping)
     never makes it conflict; the status itself has one writer, the leader. No read is needed first,
-    which matters when the plan in status is a few hundred kilobytes.
+    which matters when the plan in status is a few hundred kilobytes. ``status`` holds JSON types
+    only (:class:`JsonBody`), as ``status.status_body`` makes it.
     """
-    await _patch_status(namespace, name, [{"op": "add", "path": "/status", "value": status}], "json-patch")
+    await _patch_status(namespace, name, [{"op": "add", "path": "/status", "value": JsonBody(status)}], "json-patch")
 
 
 async def write_conditions(namespace: str, name: str, conditions: list[dict[str, Any]]) -> None:
