@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from megatron_contract.job import JobPhase, MegatronJobStatus
 from megatron_operator import kube, metrics
@@ -34,7 +35,11 @@ class StatusWriter:
         self._labels = labels
         self.goodput = goodput
         self._goodput_written = -float("inf")  # monotonic time the status last got fresh goodput figures
-        self._progress_due = -float("inf")  # monotonic time from which progress alone may be written
+        # The last write (monotonic time, body), and when progress alone may be written after it:
+        # worked out when first asked, from the body's size (json-encoding a plan of hundreds of kB
+        # right after a plan's write would hold up its push).
+        self._written: tuple[float, dict[str, Any]] | None = None
+        self._progress_due: float | None = None
 
     async def write(
         self, old: MegatronJobStatus, obs: Observation, members: Iterable[str], now: datetime, force: bool
@@ -60,15 +65,24 @@ class StatusWriter:
             new = new.model_copy(update={"goodput": self.goodput.snapshot(wall)})
             body = status_body(new)
         if not force and (
-            body == old_body or (progress_only(old_body, body) and time.monotonic() < self._progress_due)
+            body == old_body or (progress_only(old_body, body) and time.monotonic() < self._progress_allowed())
         ):
             return old
         if fresh:
             self._goodput_written = time.monotonic()
         await kube.write_status(self.job.namespace, self.job.name, body)
-        self._progress_due = time.monotonic() + progress_write_gap(body)
+        self._written, self._progress_due = (time.monotonic(), body), None
         self._export(new)
         return new
+
+    def _progress_allowed(self) -> float:
+        """Monotonic time from which progress alone may be written."""
+        if self._written is None:
+            return -float("inf")
+        if self._progress_due is None:
+            written_at, body = self._written
+            self._progress_due = written_at + progress_write_gap(body)
+        return self._progress_due
 
     def step_time(self, pods: Iterable[str]) -> float | None:
         """The latest step's duration as the slowest of ``pods`` measured it."""

@@ -9,11 +9,17 @@ progress, written no more often than the status's size allows.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import JobPhase, MegatronJobStatus
+from megatron_operator import kube, metrics, status_writer
+from megatron_operator.builders import JobRef
+from megatron_operator.goodput import GoodputLedger
+from megatron_operator.heartbeats import HeartbeatBook
 from megatron_operator.planner import plan_mesh
 from megatron_operator.status import (
     PROGRESS_WRITE_BYTES_PER_SECOND,
@@ -25,6 +31,7 @@ from megatron_operator.status import (
     status_body,
     status_changed,
 )
+from megatron_operator.status_writer import StatusWriter
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SPEC = make_spec(replicas=2, spares=1)
@@ -126,3 +133,29 @@ def test_a_step_alone_is_progress_and_its_writes_are_spaced_by_the_status_size()
     big = compute_status(MegatronJobStatus(), _obs(JobPhase.RUNNING, plan=big_plan, replicas=4096, step=1), T0)
     assert small < 0.2 < 2.0 < progress_write_gap(status_body(big))
     assert progress_write_gap({"x": "y" * PROGRESS_WRITE_BYTES_PER_SECOND}) > 1.0
+
+
+def test_the_writer_holds_progress_alone_for_the_gap_after_its_last_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    written: list[dict[str, object]] = []
+
+    async def write_status(namespace: str, name: str, body: dict[str, object]) -> None:
+        written.append(body)
+
+    monkeypatch.setattr(kube, "write_status", write_status)
+    clock = [100.0]
+    monkeypatch.setattr(status_writer.time, "monotonic", lambda: clock[0])
+    labels = metrics.job_labels("ns", "job")
+    writer = StatusWriter(JobRef("job", "ns", JOB_UID), HeartbeatBook(), labels, GoodputLedger.resume(0.0, None))
+
+    def write(old: MegatronJobStatus, step: int, force: bool = False) -> MegatronJobStatus:
+        return asyncio.run(writer.write(old, _obs(JobPhase.RUNNING, step=step), [], T0, force))
+
+    first = write(MegatronJobStatus(), 1)
+    gap = progress_write_gap(written[-1])
+    assert len(written) == 1 and 0 < gap < 1
+    assert write(first, 2) is first and len(written) == 1  # progress alone, within the gap: held
+    assert write(first, 2, force=True).step == 2 and len(written) == 2  # a forced write always goes
+    clock[0] += gap * 0.9
+    assert write(first, 3) is first and len(written) == 2  # the gap counts from the last write
+    clock[0] += gap * 0.2
+    assert write(first, 3).step == 3 and len(written) == 3
