@@ -18,6 +18,7 @@ import kopf
 from megatron_operator import handlers, kube
 from megatron_operator.agent_connections import raise_open_file_limit
 from megatron_operator.allocator import tune_allocator
+from megatron_operator.gc_pauses import log_long_collections
 from megatron_operator.health import start_health_server
 from megatron_operator.leader import LeaderElector
 from megatron_operator.settings import ENV_TOKEN_KEY_FILE, GC_THRESHOLDS, OperatorSettings
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.info("malloc: %s", ", ".join(f"{k}={v}" for k, v in allocator.items()))
     # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    log_long_collections()
     settings = OperatorSettings()
     if settings.token_key_file is None:
         logging.error("%s is not set: the operator needs a key to derive each job's token from", ENV_TOKEN_KEY_FILE)
