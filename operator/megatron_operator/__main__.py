@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.info("malloc: %s", ", ".join(f"{k}={v}" for k, v in allocator.items()))
     # kopf logs every handler run at INFO; with thousands of pods that drowns what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    log_long_collections()
     settings = OperatorSettings()
     if settings.token_key_file is None:
         logging.error("%s is not set: the operator needs a key to derive each job's token from", ENV_TOKEN_KEY_FILE)
@@ -55,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.leader_election:
         identity = settings.identity or f"{socket.gethostname()}-{os.getpid()}"
         elector = LeaderElector(settings.lease_namespace, settings.lease_name, identity, settings.lease_seconds)
+    log_long_collections()
     try:
         asyncio.run(_run(settings, elector))
     finally:

@@ -309,7 +309,9 @@ def _spread(job: JobRef, spec: MegatronJobSpec, role: str, pod_spec: dict[str, A
     pod_spec["affinity"] = affinity
 
 
-def build_pod(job: JobRef, spec: MegatronJobSpec, *, serial: int, role: str, operator_url: str) -> dict[str, Any]:
+def build_pod(
+    job: JobRef, spec: MegatronJobSpec, *, serial: int, role: str, operator_url: str, replica: int | None = None
+) -> dict[str, Any]:
     """A trainer pod: the job's ``spec.template`` merged with what the operator owns.
 
     Workers and hot spares are built from the same template; only the role (and a spare's
@@ -326,6 +328,8 @@ def build_pod(job: JobRef, spec: MegatronJobSpec, *, serial: int, role: str, ope
         serial: the pod's serial number (its name is ``{job}-{serial}``).
         role: ``wire.ROLE_WORKER`` or ``wire.ROLE_SPARE``.
         operator_url: where the pod's agent sends its reports.
+        replica: the data-parallel replica the worker is expected to hold (its replica label from
+            the start), when known.
     """
     if role not in (wire.ROLE_WORKER, wire.ROLE_SPARE):
         raise ValueError(f"role must be {wire.ROLE_WORKER!r} or {wire.ROLE_SPARE!r}, not {role!r}")
@@ -362,6 +366,8 @@ def build_pod(job: JobRef, spec: MegatronJobSpec, *, serial: int, role: str, ope
     )
     _spread(job, spec, role, pod_spec)
     labels = {**meta.get("labels", {}), **child_labels(job), wire.LABEL_ROLE: role, wire.LABEL_POD_INDEX: str(serial)}
+    if replica is not None:
+        labels[wire.LABEL_REPLICA] = str(replica)
     annotations = {**meta.get("annotations", {}), DEFAULT_CONTAINER_ANNOTATION: CONTAINER_NAME}
     return {
         "apiVersion": "v1",

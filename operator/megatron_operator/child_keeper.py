@@ -114,8 +114,15 @@ class ChildKeeper:
         failed: Mapping[str, Failure],
         generation: int | None,
         gate: Gate | None,
+        first_mesh: bool = False,
     ) -> list[str]:
         """Create what is missing: the Secret and Service when due, then ``workers + spares`` pods.
+
+        ``first_mesh``: the job has no plan yet. Its first plan takes the running workers in the
+        order of their serials, so workers created before any other carry the replica label that
+        plan gives them from the start: relabelled after it instead, the 4096 pods of a large job
+        were 4096 patches, and as many pod events for the operator to read, in the seconds after
+        its first plan (a pod's failure then waited behind them).
 
         Every kind of child backs off after failures (children.py): pods that keep failing at start,
         or creates the API server refuses, never make a tight loop; after a few failures in a row
@@ -131,11 +138,18 @@ class ChildKeeper:
         await self.ensure(pods, pods_wanted=count > 0)
         self._settle_starts(pods, failed, now)
         if count > 0 and self.backoffs[Child.POD].ready(now) and not self.backoffs[Child.SECRET].failures:
-            return await self._create_pods(spec, workers, spares, pods, gate)
+            first = first_mesh and not any(p.role == wire.ROLE_WORKER for p in pods)
+            return await self._create_pods(spec, workers, spares, pods, gate, first)
         return []
 
     async def _create_pods(
-        self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts], gate: Gate | None
+        self,
+        spec: MegatronJobSpec,
+        workers: int,
+        spares: int,
+        pods: list[PodFacts],
+        gate: Gate | None,
+        first_workers: bool = False,
     ) -> list[str]:
         """Reserve serials and create the pods; a refused create counts as a failure of the pod backoff."""
         count = workers + spares
@@ -157,9 +171,17 @@ class ChildKeeper:
         # (~30 MiB) waited in the API client's queue, and the operator's memory kept the peak.
         sending = asyncio.Semaphore(CREATES_IN_FLIGHT)
 
+        def replica(i: int) -> int | None:
+            # As the first plan numbers them (planner.UnitShape.slot): whole units, in serial order.
+            if not first_workers or i >= workers:
+                return None
+            return i // spec.pods_per_replica * spec.replicas_per_pod
+
         async def create(i: int, role: str) -> bool:
             async with sending:
-                body = builders.build_pod(self.job, spec, serial=start + i, role=role, operator_url=self.settings.url)
+                body = builders.build_pod(
+                    self.job, spec, serial=start + i, role=role, operator_url=self.settings.url, replica=replica(i)
+                )
                 if gate is not None:  # where Kueue admitted the job: its flavors' nodes
                     body = queueing.with_node_selector(body, gate.node_selector(role))
                 return await kube.create_pod(body)

@@ -870,7 +870,9 @@ class JobController:
     async def _create(self, spec: MegatronJobSpec, workers: int, spares: int, pods: list[PodFacts]) -> list[str]:
         """Create what is missing (child_keeper.py), then say whether the job's children fail."""
         generation = self.body.get("metadata", {}).get("generation")
-        created = await self.children.create(spec, workers, spares, pods, self.failed, generation, self.gate)
+        created = await self.children.create(
+            spec, workers, spares, pods, self.failed, generation, self.gate, first_mesh=self.plan is None
+        )
         await self._report_children()
         return created
 
