@@ -622,7 +622,7 @@ def _state_sources(
     kept_own = (
         None
         if previous_trained
-        else {r for r in range(previous.sizes.world) if previous.source_of(r).kind is StateSourceKind.SELF}
+        else {r for r, source in enumerate(previous.sources()) if source.kind is StateSourceKind.SELF}
     )
     previous_keys, keys = previous.sizes.shard_keys(), sizes.shard_keys()
     held = {
