@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from megatron_contract import wire
 from megatron_contract.job import ConditionType, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import builders, kube, queueing
+from megatron_operator import builders, kube, planner, queueing
 from megatron_operator.builders import JobRef
 from megatron_operator.children import Backoff, Child, LabelRequests, StartTracker, verdict
 from megatron_operator.failures import Failure, PodFacts
@@ -172,10 +172,7 @@ class ChildKeeper:
         sending = asyncio.Semaphore(CREATES_IN_FLIGHT)
 
         def replica(i: int) -> int | None:
-            # As the first plan numbers them (planner.UnitShape.slot): whole units, in serial order.
-            if not first_workers or i >= workers:
-                return None
-            return i // spec.pods_per_replica * spec.replicas_per_pod
+            return planner.first_plan_replica(spec, i) if first_workers and i < workers else None
 
         async def create(i: int, role: str) -> bool:
             async with sending:

@@ -350,6 +350,13 @@ def _first_plan(
     return PlanDecision(Outcome.NEW_PLAN, plan, promoted=promoted, message=f"initial mesh {plan.mesh_label}")
 
 
+def first_plan_replica(spec: MegatronJobSpec, worker: int) -> int:
+    """The data-parallel replica (its first GPU's) that the first plan gives the ``worker``-th
+    running worker in serial order: :func:`_first_plan` fills whole units in that order."""
+    shape = UnitShape.of(spec)
+    return shape.slot(worker // shape.pods_per_unit, worker % shape.pods_per_unit, 0)[0]
+
+
 def _new_units(
     shape: UnitShape,
     previous_units: list[list[str]],
