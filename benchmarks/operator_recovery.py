@@ -16,8 +16,9 @@ pods (1 GPU each) with hot spares, then repeatedly deletes a random member pod a
   show which phase raised it, and its RSS twice a second by wall-clock time (to read beside its log).
 
 Between failures it waits for the spare pool to be full again, so every failure is a replacement.
-Each size runs on a fresh control plane. Prints figures and a table of how they grow with size;
-asserts nothing about speed.
+Each size runs on a fresh control plane. Prints figures, each failure split into its parts from the
+operator's log (``failure_split.py``), and a table of how they grow with size; asserts nothing about
+speed.
 
     PYTHONPATH=contract:operator:trainer:localcluster:tests/operator \\
         python benchmarks/operator_recovery.py --workers 256 1024 4096 --failures 30 \\
@@ -45,6 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
 
+from failure_split import format_split, long_collections, split_failures  # noqa: E402
 from operator_factories import make_job  # noqa: E402
 from operator_harness import JobApi, OperatorProcess, RecordingAgents, pod_runs  # noqa: E402
 
@@ -403,6 +405,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         pod_watch = PodWatch(cluster.kubeconfig, ns)
         result["agent_processes"] = args.agent_processes
         result["operator_log"] = str(operator.log_path)
+        result["job"] = f"{ns}/{JOB}"
         result["push_processes"] = args.push_processes  # None: the operator's default
         print(f"recording agents in {args.agent_processes} process(es)", flush=True)
         total = workers + args.spares
@@ -523,6 +526,7 @@ def run_size(args: argparse.Namespace, workers: int) -> dict[str, Any]:
                     "victim": victim,
                     "deleted_at": time.strftime("%H:%M:%S", time.localtime(wall_fail))
                     + f".{int(wall_fail % 1 * 1000):03d}",
+                    "deleted_at_unix": round(wall_fail, 3),
                     "epoch": plan["epoch"],
                     "delete_answered_ms": round(deleted * 1000, 1),
                     "stored_ms": round(stored * 1000, 1),
@@ -664,7 +668,14 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for workers in args.workers:
         print(f"=== {workers} worker pods", flush=True)
-        results.append(run_size(args, workers))
+        result = run_size(args, workers)
+        # Once the operator has stopped: its log then holds every plan's and push's line.
+        log = Path(result["operator_log"]).read_text(errors="replace")
+        result["failure_split"] = split_failures(result["timeline"], log, result["job"])
+        result["long_collections"] = long_collections(log, result["timeline"])
+        print("\neach failure, split (ms; from the operator log, joined by wall-clock time):")
+        print(format_split(result["failure_split"], result["long_collections"]), flush=True)
+        results.append(result)
         if args.out:  # after each size: a later size that fails keeps the earlier figures
             args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "sizes": results}, indent=1))
     print()

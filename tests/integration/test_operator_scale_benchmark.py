@@ -5,7 +5,7 @@ processes by pod address.
 Scenario: 8 worker pods and 2 spares, 3 failures; every failure is a replacement measured at every
 member (so the members of each plan were served by both agents' processes, and pushed by both push
 processes, or by the operator's own while they started), and the operator's CPU and peak memory,
-and its push processes', are read.
+and its push processes', are read; each failure is split into its parts from the operator's log.
 """
 
 from __future__ import annotations
@@ -48,3 +48,13 @@ def test_replacements_are_measured_with_the_agents_in_two_processes(tmp_path: Pa
     memory = size["operator_memory_at_end"]
     assert set(memory) == {"anon_mib", "file_mib", "shmem_mib", "threads"} and memory["threads"] >= 2
     assert 0 < memory["anon_mib"] + memory["file_mib"] <= peaks["failures"] + 1
+    # Each failure split from the operator's log (failure_split.py): its plan's line and its push's
+    # line found, the parts in order on one clock (log stamps are whole ms: 2 ms of slack).
+    split = size["failure_split"]
+    assert [r["epoch"] for r in split] == [t["epoch"] for t in size["timeline"]], (split, log[-3000:])
+    for r in split:
+        assert r["wake_lag_ms"] > -2 and r["watch_lag_ms"] > -2, r
+        assert min(r["read_ms"], r["assess_ms"], r["write_ms"]) >= 0 and r["push_ms"] > 0, r
+        parts = r["wake_lag_ms"] + (r["woken_ms"] or 0) + r["read_ms"] + r["assess_ms"] + r["write_ms"]
+        assert parts <= r["stored_ms"] + 2, r
+    assert all(c["ms"] >= 50 for c in size["long_collections"])
