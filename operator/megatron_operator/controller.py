@@ -34,7 +34,7 @@ from megatron_contract.agent import AgentReport
 from megatron_contract.compat import validate_ignoring_unknown
 from megatron_contract.job import ConditionType, FailureRecord, JobPhase, MegatronJobSpec, MegatronJobStatus
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_operator import kube, metrics, optimizer_sources, queueing, skew, suspend
+from megatron_operator import gc_pauses, kube, metrics, optimizer_sources, queueing, skew, suspend
 from megatron_operator.builders import JobRef
 from megatron_operator.child_keeper import ChildKeeper
 from megatron_operator.delivery import PlanDelivery
@@ -470,6 +470,8 @@ class JobController:
             return
         await self._change_pods(a, p)
         await self._settle(a, p)
+        if p.fresh:
+            gc_pauses.collect_young()  # between failures, not inside the next one's pass
 
     def _observe(self, p: _Pass) -> AgentSignals:
         """What the agents' reports say about the pods this pass sees; whether the controller still

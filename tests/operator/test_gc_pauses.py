@@ -1,13 +1,27 @@
 """Long garbage collections are logged (``megatron_operator.gc_pauses``): a real full collection of
-a heap with cyclic garbage, at a threshold it exceeds; none at a threshold it cannot reach."""
+a heap with cyclic garbage, at a threshold it exceeds; none at a threshold it cannot reach.
+A job's pass that stored and pushed a new plan collects the young generation before it ends (the
+API server and the agents faked); a pass with nothing new to plan does not."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
+from typing import Any
 
 import pytest
+from operator_factories import JOB_UID, make_job, make_pod, make_pod_refs
 
-from megatron_operator import gc_pauses
+from megatron_contract.agent import AgentReport
+from megatron_contract.mesh import MeshPlan
+from megatron_operator import gc_pauses, kube
+from megatron_operator.builders import JobRef
+from megatron_operator.controller import JobController
+from megatron_operator.failures import PodFacts
+from megatron_operator.heartbeats import HeartbeatBook
+from megatron_operator.push import PushOutcome, PushResult
+from megatron_operator.settings import OperatorSettings
 
 
 def _collect_cycles(count: int) -> None:
@@ -36,3 +50,65 @@ def test_a_collection_over_the_threshold_is_logged_and_one_under_it_is_not(caplo
         assert any("objects freed" in m and "(0 objects" not in m for m in messages), messages
     finally:
         gc.callbacks[:] = saved
+
+
+class _Pusher:
+    """Every push accepted."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+
+    def prepare(self, members: int) -> None:
+        """No push processes here."""
+
+    async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
+        self.pushed.append(plan.epoch)
+        return [PushOutcome(m.pod, PushResult.ACCEPTED, "accepted", 0.0, None) for m in plan.members]
+
+
+def test_a_pass_that_pushed_a_new_plan_collects_the_young_generation_and_no_other_pass_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def accepted(*_: Any, **__: Any) -> Any:
+        return 100
+
+    for name in ("create_pod", "delete_pod", "patch_pod_labels", "reserve_serials", "apply_service", "apply_secret"):
+        monkeypatch.setattr(kube, name, accepted)
+    for name in ("apply_disruption_budget", "write_status", "write_conditions"):
+        monkeypatch.setattr(kube, name, accepted)
+    monkeypatch.setattr(kube, "post_event", lambda *_: None)
+    refs = make_pod_refs(2)
+    pods = [PodFacts.of(make_pod(r.name, ip=r.address, uid=r.uid, index=i)) for i, r in enumerate(refs)]
+    body = make_job(replicas=2, spares=0)
+    book = HeartbeatBook()
+    for r in refs:  # warm agents: the first plan takes them
+        report = {"jobUid": JOB_UID, "pod": r.name, "epoch": 0, "state": "spare"}
+        book.record(AgentReport.model_validate(report), time.monotonic())
+    pusher = _Pusher()
+    ctl = JobController(
+        JobRef.of(body),
+        body,
+        OperatorSettings(leader_election=False),
+        book,
+        pusher,  # type: ignore[arg-type]
+        pods_of=lambda: pods,
+        nodes=lambda: {"gpu-0": "True"},
+    )
+    ctl.token = "tok"
+    ctl.settling = False
+    young: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and info["generation"] == 0:
+            young.append(len(pusher.pushed))
+
+    gc.disable()  # only a collection asked for is seen
+    gc.callbacks.append(seen)
+    try:
+        asyncio.run(ctl.reconcile_once())  # the first plan: stored, pushed
+        assert pusher.pushed == [1] and young == [1], (pusher.pushed, young)
+        asyncio.run(ctl.reconcile_once())  # nothing new to plan
+        assert pusher.pushed == [1] and young == [1], (pusher.pushed, young)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
