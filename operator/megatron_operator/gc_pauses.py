@@ -1,10 +1,11 @@
-"""Long garbage collections, said in the log.
+"""Long garbage collections, said in the log; the young generation collected between failures.
 
 A collection stops every thread of the operator while it walks a generation of the heap, and the
 oldest generation of a job of thousands of pods is hundreds of MB of objects: at Python's default
 thresholds a full collection took up to 0.78 s at 4096 pods (``settings.GC_THRESHOLDS`` makes them
 rare). One that lands between a pod's failure and its plan delays the plan by as much, and nothing
-else would say why: each collection of at least ``threshold`` seconds is logged.
+else would say why: each collection of at least ``threshold`` seconds is logged. A pass that pushed
+a new plan collects the young generation as it ends (``collect_young``), when no plan waits on it.
 """
 
 from __future__ import annotations
