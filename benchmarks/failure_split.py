@@ -10,7 +10,8 @@ Joined by wall-clock time (one host, one clock), they split each failure into:
 - ``woken_ms``: the wake-up call → the pass beginning (``behind``: a pass was still running);
 - ``read_ms`` / ``assess_ms`` / ``write_ms``: the pass's parts, as the plan's line says;
 - ``push_ms``: the push to every member (its own line);
-- ``watch_lag_ms``: the status written → the benchmark's watch seeing it (the remainder).
+- ``watch_lag_ms``: the status written → the benchmark's watch seeing it (the remainder; a few ms
+  below zero when the watch saw the status before the operator, answered, logged its line).
 
 and list the garbage collections the operator logged (``gc_pauses.py``, 50 ms or more), with those
 that fell inside a failure's window (delete → pushed): each such collection held that plan.

@@ -49,11 +49,11 @@ def test_replacements_are_measured_with_the_agents_in_two_processes(tmp_path: Pa
     assert set(memory) == {"anon_mib", "file_mib", "shmem_mib", "threads"} and memory["threads"] >= 2
     assert 0 < memory["anon_mib"] + memory["file_mib"] <= peaks["failures"] + 1
     # Each failure split from the operator's log (failure_split.py): its plan's line and its push's
-    # line found, the parts in order on one clock (log stamps are whole ms: 2 ms of slack).
+    # line found, on one clock: the pass woken after the delete (log stamps are whole ms: 2 ms of
+    # slack). The watch may see the status before the operator, answered, logs its line: the
+    # remainder can be a little below zero, never by a whole pass.
     split = size["failure_split"]
     assert [r["epoch"] for r in split] == [t["epoch"] for t in size["timeline"]], (split, log[-3000:])
     for r in split:
-        assert r["wake_lag_ms"] > -2 and r["watch_lag_ms"] > -2, r
-        assert min(r["read_ms"], r["assess_ms"], r["write_ms"]) >= 0 and r["push_ms"] > 0, r
-        parts = r["wake_lag_ms"] + (r["woken_ms"] or 0) + r["read_ms"] + r["assess_ms"] + r["write_ms"]
-        assert parts <= r["stored_ms"] + 2, r
+        assert r["wake_lag_ms"] > -2 and min(r["read_ms"], r["assess_ms"], r["write_ms"]) >= 0, r
+        assert r["watch_lag_ms"] > -r["write_ms"] - 2 and r["push_ms"] > 0, r
