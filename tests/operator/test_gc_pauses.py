@@ -11,17 +11,12 @@ import time
 from typing import Any
 
 import pytest
-from operator_factories import JOB_UID, make_job, make_pod, make_pod_refs
+from operator_factories import JOB_UID, make_pod_refs
+from test_version_skew import FakeKube, FakePusher, _controller
 
 from megatron_contract.agent import AgentReport
-from megatron_contract.mesh import MeshPlan
-from megatron_operator import gc_pauses, kube
-from megatron_operator.builders import JobRef
-from megatron_operator.controller import JobController
-from megatron_operator.failures import PodFacts
+from megatron_operator import gc_pauses
 from megatron_operator.heartbeats import HeartbeatBook
-from megatron_operator.push import PushOutcome, PushResult
-from megatron_operator.settings import OperatorSettings
 
 
 def _collect_cycles(count: int) -> None:
@@ -52,51 +47,16 @@ def test_a_collection_over_the_threshold_is_logged_and_one_under_it_is_not(caplo
         gc.callbacks[:] = saved
 
 
-_POD_CALLS = ("create_pod", "delete_pod", "patch_pod_labels", "reserve_serials")
-
-
-class _Pusher:
-    """Every push accepted."""
-
-    def __init__(self) -> None:
-        self.pushed: list[int] = []
-
-    def prepare(self, members: int) -> None:
-        """No push processes here."""
-
-    async def push(self, plan: MeshPlan, token: str, pods: set[str] | None = None) -> list[PushOutcome]:
-        self.pushed.append(plan.epoch)
-        return [PushOutcome(m.pod, PushResult.ACCEPTED, "accepted", 0.0, None) for m in plan.members]
-
-
 def test_a_pass_that_pushed_a_new_plan_collects_the_young_generation_and_no_other_pass_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def accepted(*_: Any, **__: Any) -> Any:
-        return 100
-
-    for name in (*_POD_CALLS, "apply_service", "apply_secret", "apply_disruption_budget", "write_status"):
-        monkeypatch.setattr(kube, name, accepted)
-    monkeypatch.setattr(kube, "write_conditions", accepted)
-    monkeypatch.setattr(kube, "post_event", lambda *_: None)
-    refs = make_pod_refs(2)
-    pods = [PodFacts.of(make_pod(r.name, ip=r.address, uid=r.uid, index=i)) for i, r in enumerate(refs)]
-    body = make_job(replicas=2, spares=0)
+    FakeKube(monkeypatch)
     book = HeartbeatBook()
-    for r in refs:  # warm agents: the first plan takes them
+    for r in make_pod_refs(2):  # warm agents: the first plan takes them
         report = {"jobUid": JOB_UID, "pod": r.name, "epoch": 0, "state": "spare"}
         book.record(AgentReport.model_validate(report), time.monotonic())
-    pusher = _Pusher()
-    ctl = JobController(
-        JobRef.of(body),
-        body,
-        OperatorSettings(leader_election=False),
-        book,
-        pusher,  # type: ignore[arg-type]
-        pods_of=lambda: pods,
-        nodes=lambda: {"gpu-0": "True"},
-    )
-    ctl.token = "tok"
+    ctl = _controller(None, book)
+    pusher: FakePusher = ctl.pusher  # type: ignore[assignment]
     ctl.settling = False
     young: list[int] = []
 
@@ -109,9 +69,9 @@ def test_a_pass_that_pushed_a_new_plan_collects_the_young_generation_and_no_othe
     gc.callbacks.append(seen)
     try:
         asyncio.run(ctl.reconcile_once())  # the first plan: stored, pushed
-        assert pusher.pushed == [1] and young == [1], (pusher.pushed, young)
+        assert [epoch for epoch, _ in pusher.pushed] == [1] and young == [1], (pusher.pushed, young)
         asyncio.run(ctl.reconcile_once())  # nothing new to plan
-        assert pusher.pushed == [1] and young == [1], (pusher.pushed, young)
+        assert [epoch for epoch, _ in pusher.pushed] == [1] and young == [1], (pusher.pushed, young)
     finally:
         gc.callbacks.remove(seen)
         if enabled:
