@@ -7,15 +7,16 @@ distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`
 
 1. steady: ``--rounds`` rounds of an epoch without buddy copies and one with copies for each of
    ``--steady-intervals`` (refreshed every so many steps; default ``--replica-interval``), switched
-   at step boundaries, ``--steps`` timed steps each (a whole number of intervals, more when an
-   interval needs it): the wall time per step of each and the copies' overhead at each interval. An
-   epoch's first ``SKIP`` steps and its first refresh are left out: they are paid once an epoch (the
-   first step's own costs; the first refresh also connects the pair's transfers), and are printed
-   from the workers' logs with where each refresh's time went (worker/refresh_times.py). The wall
-   time includes what a refresh blocks between steps, which the workers' own step time does not. Each
-   round's arms are also compared with that round's no-copies epoch (``overhead_percent_by_round``,
-   and by the workers' median step): no-copies epochs more than ``NOISY_PERCENT`` apart are flagged
-   as a noisy host, whose slow epoch the averaged overheads would hide;
+   at step boundaries, every other round in reverse order, ``--steps`` timed steps each (a whole
+   number of intervals, more when an interval needs it): the wall time per step of each and the
+   copies' overhead at each interval. An epoch's first ``SKIP`` steps and its first refresh are left
+   out: they are paid once an epoch (the first step's own costs; the first refresh also connects the
+   pair's transfers), and are printed from the workers' logs with where each refresh's time went
+   (worker/refresh_times.py). The wall time includes what a refresh blocks between steps, which the
+   workers' own step time does not. Each round's arms are also compared with that round's no-copies
+   epoch (``overhead_percent_by_round``, and by the workers' median step): no-copies epochs more
+   than ``NOISY_PERCENT`` apart are flagged as a noisy host, whose slow epoch the averaged overheads
+   would hide;
 2. shrink in memory: b is SIGKILLed mid-step; a goes on alone (DP 2 -> 1) with its own shard and
    the copy of b's it keeps, as the operator's planner says with in-memory restore on: kill -> a's
    first step, and the steps redone;
@@ -182,8 +183,11 @@ def main() -> int:
         memory: dict[str, list[int]] = {}  # the peak memory used on each GPU (MiB), by arm
         windows: dict[str, list[tuple[int, int]]] = {k: [] for k in kinds}  # steps whose boundaries were timed
         arms: list[tuple[str, int]] = []  # (kind, epoch) of each steady epoch
-        for _ in range(args.rounds):
-            for kind, interval in zip(kinds, [0, *intervals], strict=True):
+        for round_ in range(args.rounds):
+            # Every other round runs its arms in reverse (none, 1, 4 / 4, 1, none): a host that drifts
+            # slower or faster over the minutes of the rounds then favours no arm.
+            order = list(zip(kinds, [0, *intervals], strict=True))
+            for kind, interval in order if round_ % 2 == 0 else order[::-1]:
                 start = boundary(["a", "b"], 2)
                 plan = cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=interval > 0)
                 if plan.optimizer_state is not None:
@@ -239,6 +243,7 @@ def main() -> int:
                 "overhead_percent_by_round": by_round,  # wall per step, against the round's no-copies epoch
                 "median_step_overhead_percent_by_round": step_by_round,  # the workers' median step, likewise
                 "no_copies_spread_percent": round(spread, 2),
+                "arms_in_order": [kind for kind, _ in arms],  # as they ran, round after round
                 "epoch_wall_s_per_step": walls,
                 "epoch_median_step_time_s": medians,  # the step alone, without the refresh around it
                 "gpu_memory_used_mib_peak": memory,  # nvidia-smi, per GPU; empty on CPU

@@ -30,6 +30,8 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
         assert steady["overhead_percent_by_round"][kind] == want
         assert len(steady["median_step_overhead_percent_by_round"][kind]) == 2
     assert steady["no_copies_spread_percent"] >= 0
+    # The second round runs its arms in reverse: a drifting host favours no arm.
+    assert steady["arms_in_order"] == ["none", *arms, *arms[::-1], "none"]
     # Every epoch with copies logged its refreshes, each moving both shards into host memory.
     assert len(steady["refresh_times"]) == 4
     for pods in steady["refresh_times"].values():
