@@ -70,6 +70,8 @@ from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT  # noqa: E402
 SKIP = 2  # an epoch's first steps: the first step's own costs
 #: No-copies epochs further apart than this (percent of the fastest) are flagged as a noisy host.
 NOISY_PERCENT = 5.0
+#: The shortest interval whose epochs also measure a refresh against the steps beside it.
+PAIRED_MIN = 3
 
 
 def main() -> int:
@@ -148,6 +150,15 @@ def main() -> int:
         times = [[p.step_time_seconds for p in w.of_type(Progress) if p.epoch == epoch] for w in cluster.workers(pods)]
         return [max(ts) for ts in zip(*times, strict=False)][SKIP:]
 
+    def steps_of(epoch: int, pods: list[str], after: int) -> dict[int, float]:
+        """The slower member's step time of each step of ``epoch`` past step ``after``, by step."""
+        times: dict[int, float] = {}
+        for w in cluster.workers(pods):
+            for p in w.of_type(Progress):
+                if p.epoch == epoch and p.step > after:
+                    times[p.step] = max(times.get(p.step, 0.0), p.step_time_seconds)
+        return times
+
     def pod_log(pod: str) -> str:
         return cluster.pods[pod][0].log_path.read_text(errors="replace")
 
@@ -182,6 +193,8 @@ def main() -> int:
         walls: dict[str, list[float]] = {k: [] for k in kinds}
         memory: dict[str, list[int]] = {}  # the peak memory used on each GPU (MiB), by arm
         windows: dict[str, list[tuple[int, int]]] = {k: [] for k in kinds}  # steps whose boundaries were timed
+        rare = [k for n, k in zip(intervals, kinds[1:], strict=True) if n >= PAIRED_MIN]
+        paired: dict[str, list[dict[str, float]]] = {k: [] for k in rare}  # refresh_cost, epoch by epoch
         arms: list[tuple[str, int]] = []  # (kind, epoch) of each steady epoch
         for round_ in range(args.rounds):
             # Every other round runs its arms in reverse (none, 1, 4 / 4, 1, none): a host that drifts
@@ -206,6 +219,8 @@ def main() -> int:
                 arms.append((kind, plan.epoch))
                 memory[kind] = [max(m, u) for m, u in zip(memory.get(kind, used.peak), used.peak, strict=True)]
                 medians[kind].append(statistics.median(step_times(plan.epoch, ["a", "b"])))
+                if kind in paired:
+                    paired[kind].append(refresh_cost(steps_of(plan.epoch, ["a", "b"], warm), interval))
                 log(f"steady epoch {plan.epoch} ({kind}): {walls[kind][-1]:.3f} s a step (wall)")
         # The failure below finds copies every --replica-interval steps (the spec's); the switch also
         # ends the last steady epoch, whose workers then log its refreshes' times.
@@ -248,6 +263,11 @@ def main() -> int:
                 "epoch_median_step_time_s": medians,  # the step alone, without the refresh around it
                 "gpu_memory_used_mib_peak": memory,  # nvidia-smi, per GPU; empty on CPU
                 "checkpoint_saves_timed": {k: v for k, v in spoilt.items() if v},
+                # within each epoch of a rare refresh: the steps beside one against the others (below)
+                "paired_refresh_cost": paired,
+                "paired_refresh_cost_percent": {
+                    k: round(statistics.median(r["percent"] for r in rows), 2) for k, rows in paired.items() if rows
+                },
                 # per epoch with copies and pod: the first refresh's times, the others' medians
                 "refresh_times": {
                     f"{kind} (epoch {epoch})": {pod: refresh_times(pod_log(pod), epoch) for pod in ("a", "b")}
@@ -360,6 +380,31 @@ def main() -> int:
 def _overheads(arm: list[float], without: list[float]) -> list[float]:
     """Each round's overhead in percent: ``arm``'s figure against the no-copies epoch of its round."""
     return [round(100 * (a / n - 1), 2) for a, n in zip(arm, without, strict=True)]
+
+
+def refresh_cost(times: dict[int, float], interval: int) -> dict[str, float]:
+    """A refresh's cost to the step beside it, measured inside one epoch of copies every
+    ``interval`` (>= :data:`PAIRED_MIN`) steps: ``times`` (step time by step count) splits into the
+    steps that ran beside a refresh (it starts after the step count reaches a multiple of the
+    interval and runs beside the next step) and those at least two steps after one (a refresh that
+    outlasts its step slows the next). The median of each, their difference, and that difference
+    against a clear step: the overhead copies every step would have, if a refresh held only its own
+    step, less the training thread's own time per refresh between steps (``refresh_times``'
+    ``host_s``, a few ms). Epochs alternate minutes apart, and a shared host drifted by more than the
+    copies cost between them (5-25 % on the machines measured); steps a second apart do not."""
+    beside = [t for step, t in times.items() if (step - 1) % interval == 0]
+    clear = [t for step, t in times.items() if (step - 1) % interval >= 2]
+    if not beside or not clear:
+        raise ValueError(f"no steps to compare at interval {interval}: {sorted(times)}")
+    on, off = statistics.median(beside), statistics.median(clear)
+    return {
+        "beside_s": round(on, 4),
+        "clear_s": round(off, 4),
+        "cost_s": round(on - off, 4),
+        "percent": round(100 * (on / off - 1), 2),
+        "steps_beside": len(beside),
+        "steps_clear": len(clear),
+    }
 
 
 def refresh_times(log: str, epoch: int) -> dict[str, dict[str, float]]:

@@ -1,15 +1,16 @@
 """``benchmarks/distributed_optimizer.py`` on CPU processes with gloo at a tiny model size: the
-steady arms (no copies, copies every 1 and every 2 steps, two rounds, each compared with its round's
+steady arms (no copies, copies every 1 and every 3 steps, two rounds, each compared with its round's
 no-copies epoch), the shrink that takes the lost shard from the survivor's buddy copy, the growth
 that reshards it, the same shrink from the newest checkpoint, and every step's samples."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmark_runs import run_benchmark
+from benchmark_runs import REPO, run_benchmark
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "128"]
 
@@ -17,12 +18,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_checkpoint(tmp_path: Path) -> None:
-    args = ("--gpus", "2", "--global-batch", "4", "--steps", "2", "--rounds", "2", "--steady-intervals", "1,2")
+    args = ("--gpus", "2", "--global-batch", "4", "--steps", "2", "--rounds", "2", "--steady-intervals", "1,3")
     result = run_benchmark(
         "distributed_optimizer.py", tmp_path / "distopt.json", *args, "--checkpoint-interval", "6", *TINY, cpu=True
     )
     steady = result["steady"]
-    arms = ["copies every 1", "copies every 2"]
+    arms = ["copies every 1", "copies every 3"]
     assert all(len(steady["epoch_wall_s_per_step"][k]) == 2 for k in ["none", *arms])
     for kind in arms:
         walls, without = steady["epoch_wall_s_per_step"][kind], steady["epoch_wall_s_per_step"]["none"]
@@ -30,6 +31,11 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
         assert steady["overhead_percent_by_round"][kind] == want
         assert len(steady["median_step_overhead_percent_by_round"][kind]) == 2
     assert steady["no_copies_spread_percent"] >= 0
+    # The rare refreshes' epochs also compare the steps beside a refresh with the others.
+    assert list(steady["paired_refresh_cost"]) == ["copies every 3"]
+    for row in steady["paired_refresh_cost"]["copies every 3"]:
+        assert row["steps_beside"] >= 1 and row["steps_clear"] >= 1, row
+        assert row["cost_s"] == pytest.approx(row["beside_s"] - row["clear_s"], abs=2e-4)
     # The second round runs its arms in reverse: a drifting host favours no arm.
     assert steady["arms_in_order"] == ["none", *arms, *arms[::-1], "none"]
     # Every epoch with copies logged its refreshes, each moving both shards into host memory.
@@ -51,3 +57,18 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
     assert from_checkpoint["checkpoint_step"] > 0 and from_checkpoint["steps_redone"] >= 0
     assert result["samples"]["steps_checked"] > grow["boundary"]
     assert result["shrink_ratio_in_memory_to_checkpoint"] > 0
+
+
+def test_a_refresh_is_charged_to_the_step_beside_it_against_the_steps_two_or_more_after_one() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from distributed_optimizer import refresh_cost
+
+    # Copies every 4 steps: a refresh starts at step counts 8, 12, 16 and runs beside the step that
+    # completes 9, 13, 17; the step after it (10, 14) may carry what it outlasted, and is left out.
+    times = {9: 0.5, 10: 0.45, 11: 0.4, 12: 0.42, 13: 0.52, 14: 0.41, 15: 0.4, 16: 0.4, 17: 0.54}
+    got = refresh_cost(times, 4)
+    assert (got["steps_beside"], got["steps_clear"]) == (3, 4)
+    assert got["beside_s"] == 0.52 and got["clear_s"] == 0.4
+    assert got["cost_s"] == 0.12 and got["percent"] == 30.0
+    with pytest.raises(ValueError, match="no steps to compare"):
+        refresh_cost({9: 0.5, 10: 0.4}, 4)
