@@ -23,13 +23,12 @@ when the plan asks for buddies. Two transports:
   compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
   Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
   is. Shards move as they lie in memory, column after column (``optimizer_shards.columns_of``);
-  the host copies are laid out the same way. On 2xH100 with a 1.1 B-parameter GPT (6.6 GB shards,
-  13.4 GB into host memory per refresh at ~37 GB/s) a refresh keeps the side stream 0.36 s
-  (assembly 0.006 s, own snapshot 0.15 s, exchange and the ward's copy 0.20 s) and the training
-  thread ~3-6 ms, whatever the step's length. Every step it cost +4.66-9.16 % of a 0.4 s step
-  (the step itself slows: the side stream is busy for most of it) and +0.62-7.43 % of a 1.5 s step,
-  in runs whose copy-free epochs lay up to 5 % apart; every 4 steps, at most +4.52 %. Over gloo,
-  every 4 steps cost +269 %. The world group
+  the host copies are laid out the same way. On 2xH200 with a 1.1 B-parameter GPT (6.6 GB shards,
+  13.4 GB into host memory per refresh) a refresh keeps the side stream 0.31-0.32 s (assembly
+  0.004 s, own snapshot 0.13-0.14 s at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the
+  training thread ~3-5 ms, whatever the step's length, and the step beside it slows by 22-38 ms
+  (measured inside an epoch): +9.6-10.7 % of a 0.36 s step, +2.2-2.7 % of a 1.2 s step, +0.8 % of a
+  2.5 s step. Over gloo, every 4 steps cost +269 % (2xH100). The world group
   carries no per-step collective, so the transfers wait for nothing of the step's. A sender ends
   its transfers with a token (the step); the receiver counts the copy complete only when the token
   arrived: after a communicator abort (a peer died) the pending receives end without data, and the
