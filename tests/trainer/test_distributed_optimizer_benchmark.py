@@ -5,7 +5,6 @@ that reshards it, the same shrink from the newest checkpoint, and every step's s
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -59,8 +58,10 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
     assert result["shrink_ratio_in_memory_to_checkpoint"] > 0
 
 
-def test_a_refresh_is_charged_to_the_step_beside_it_against_the_steps_two_or_more_after_one() -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
+def test_a_refresh_is_charged_to_the_step_beside_it_against_the_steps_two_or_more_after_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from distributed_optimizer import refresh_cost
 
     # Copies every 4 steps: a refresh starts at step counts 8, 12, 16 and runs beside the step that

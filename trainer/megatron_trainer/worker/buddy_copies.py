@@ -27,8 +27,8 @@ when the plan asks for buddies. Two transports:
   13.4 GB into host memory per refresh) a refresh keeps the side stream 0.31-0.32 s (assembly
   0.004 s, own snapshot 0.13-0.14 s at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the
   training thread ~3-5 ms, whatever the step's length, and the step beside it slows by 22-38 ms
-  (measured inside an epoch): +9.6-10.7 % of a 0.36 s step, +2.2-2.7 % of a 1.2 s step, +0.8 % of a
-  2.5 s step. Over gloo, every 4 steps cost +269 % (2xH100). The world group
+  (measured inside an epoch): +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a 1.2 s step, +0.84 % of
+  a 2.5 s step. Over gloo, every 4 steps cost +269 % (2xH100). The world group
   carries no per-step collective, so the transfers wait for nothing of the step's. A sender ends
   its transfers with a token (the step); the receiver counts the copy complete only when the token
   arrived: after a communicator abort (a peer died) the pending receives end without data, and the
