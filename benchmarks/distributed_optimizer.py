@@ -145,19 +145,19 @@ def main() -> int:
     def boundary(pods: list[str], ahead: int) -> int:
         return max(w.last_step() for w in cluster.workers(pods)) + ahead
 
-    def step_times(epoch: int, pods: list[str]) -> list[float]:
-        """The step time the workers measure (the step alone), the slower member's, step by step."""
-        times = [[p.step_time_seconds for p in w.of_type(Progress) if p.epoch == epoch] for w in cluster.workers(pods)]
-        return [max(ts) for ts in zip(*times, strict=False)][SKIP:]
+    def steps_of(epoch: int, pods: list[str]) -> dict[int, float]:
+        """The step time the workers measure (the step alone) of each step of ``epoch`` every member
+        reported, the slower member's, by step count."""
+        reported = [
+            {p.step: p.step_time_seconds for p in w.of_type(Progress) if p.epoch == epoch}
+            for w in cluster.workers(pods)
+        ]
+        every = set(reported[0]).intersection(*reported[1:])
+        return {step: max(times[step] for times in reported) for step in sorted(every)}
 
-    def steps_of(epoch: int, pods: list[str], after: int) -> dict[int, float]:
-        """The slower member's step time of each step of ``epoch`` past step ``after``, by step."""
-        times: dict[int, float] = {}
-        for w in cluster.workers(pods):
-            for p in w.of_type(Progress):
-                if p.epoch == epoch and p.step > after:
-                    times[p.step] = max(times.get(p.step, 0.0), p.step_time_seconds)
-        return times
+    def step_times(epoch: int, pods: list[str]) -> list[float]:
+        """:func:`steps_of`'s times in order, past the epoch's first ``SKIP`` steps."""
+        return list(steps_of(epoch, pods).values())[SKIP:]
 
     def pod_log(pod: str) -> str:
         return cluster.pods[pod][0].log_path.read_text(errors="replace")
@@ -220,7 +220,8 @@ def main() -> int:
                 memory[kind] = [max(m, u) for m, u in zip(memory.get(kind, used.peak), used.peak, strict=True)]
                 medians[kind].append(statistics.median(step_times(plan.epoch, ["a", "b"])))
                 if kind in paired:
-                    paired[kind].append(refresh_cost(steps_of(plan.epoch, ["a", "b"], warm), interval))
+                    after = {n: t for n, t in steps_of(plan.epoch, ["a", "b"]).items() if n > warm}
+                    paired[kind].append(refresh_cost(after, interval))
                 log(f"steady epoch {plan.epoch} ({kind}): {walls[kind][-1]:.3f} s a step (wall)")
         # The failure below finds copies every --replica-interval steps (the spec's); the switch also
         # ends the last steady epoch, whose workers then log its refreshes' times.
@@ -252,7 +253,7 @@ def main() -> int:
                 "tokens_per_s_without": round(tokens_per_step / without),
                 **{f"{kind}: wall_s_per_step": round(statistics.median(walls[kind]), 4) for kind in kinds[1:]},
                 **{
-                    f"{kind}: overhead_percent": round(100 * (statistics.median(walls[kind]) / without - 1), 2)
+                    f"{kind}: overhead_percent": _overhead(statistics.median(walls[kind]), without)
                     for kind in kinds[1:]
                 },
                 "overhead_percent_by_round": by_round,  # wall per step, against the round's no-copies epoch
@@ -379,7 +380,12 @@ def main() -> int:
 
 def _overheads(arm: list[float], without: list[float]) -> list[float]:
     """Each round's overhead in percent: ``arm``'s figure against the no-copies epoch of its round."""
-    return [round(100 * (a / n - 1), 2) for a, n in zip(arm, without, strict=True)]
+    return [_overhead(a, n) for a, n in zip(arm, without, strict=True)]
+
+
+def _overhead(figure: float, without: float) -> float:
+    """``figure`` against ``without``, in percent (two decimals)."""
+    return round(100 * (figure / without - 1), 2)
 
 
 def refresh_cost(times: dict[int, float], interval: int) -> dict[str, float]:
@@ -401,7 +407,7 @@ def refresh_cost(times: dict[int, float], interval: int) -> dict[str, float]:
         "beside_s": round(on, 4),
         "clear_s": round(off, 4),
         "cost_s": round(on - off, 4),
-        "percent": round(100 * (on / off - 1), 2),
+        "percent": _overhead(on, off),
         "steps_beside": len(beside),
         "steps_clear": len(clear),
     }
