@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import statistics
 import threading
 import time
@@ -280,12 +281,16 @@ def main() -> None:
     args = parser.parse_args()
     args.arms = args.arms.split(",")
     unknown = [a for a in args.arms if a not in ARMS]
-    if unknown or args.gpus < 2:
-        parser.error(f"unknown arms {unknown}" if unknown else "two GPUs at least")
+    if unknown:
+        parser.error(f"unknown arms {unknown}; the arms: {', '.join(ARMS)}")
+    if not 2 <= args.gpus <= torch.cuda.device_count():
+        parser.error(f"--gpus {args.gpus}: two CUDA devices at least, and this machine has {torch.cuda.device_count()}")
     small = [a for a in args.arms if ARMS[a].refresh and not _moved(args.params // args.gpus, ARMS[a])]
     if small:
         parser.error(f"--params {args.params} over {args.gpus} GPUs is less than a chunk a refresh for {small}")
-    port = 29500 + os.getpid() % 1000
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(args.gpus, args, port, results), nprocs=args.gpus, join=True)
