@@ -28,10 +28,10 @@ when the plan asks for buddies. Two transports:
   0.004 s, own snapshot 0.13-0.14 s at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the
   training thread ~3-5 ms, whatever the step's length, and the step beside it slows by 22-38 ms
   (measured inside an epoch): +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a 1.2 s step, +0.84 % of
-  a 2.5 s step. Taken apart (benchmarks/refresh_interference.py): the NCCL transfers ~11 ms (the
-  step's GEMMs slow while any of their CTAs holds an SM, so fewer CTAs only cost more), the copies
-  to host memory ~6 ms, the ward's chunks waiting on their copies out of the one staging buffer
-  ~8 ms; a refresh of the whole shard cannot cost less than ~17-19 ms at this size. Over gloo,
+  a 2.5 s step. Taken apart (benchmarks/refresh_interference.py): the NCCL transfers ~11 ms (on
+  fewer CTAs they run longer and cost more), the copies to host memory ~6 ms, the ward's chunks
+  each waiting for the copy out of the one staging buffer ~8 ms; no setting tried brought a refresh
+  of the whole shard under ~15 ms at this size. Over gloo,
   every 4 steps cost +269 % (2xH100). The world group carries no per-step collective, so the
   transfers wait for nothing of the step's. A sender ends its transfers with a token (the step);
   the receiver counts the copy complete only when the token arrived: after a communicator abort
