@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CHUNK = 64 << 20  # elements a transfer, as worker/buddy_copies.CHUNK_ELEMENTS
+CHUNK = 64 << 20  # elements a transfer (and of the staging buffer), as worker/buddy_copies.CHUNK_ELEMENTS
 INTERVAL = 3  # steps between refreshes: the step after one is left out of both medians
 WARM_STEPS = 4  # an arm's first steps, left out
 
@@ -75,9 +75,9 @@ ARMS: dict[str, Parts] = {
 }
 
 
-def _moved(shard: int, parts: Parts) -> int:
+def _moved(shard: int, parts: Parts, chunk: int = CHUNK) -> int:
     """Elements a refresh moves: whole chunks of its fraction of the shard's three fp32 tensors."""
-    return int(shard * 3 * parts.fraction) // CHUNK * CHUNK
+    return int(shard * 3 * parts.fraction) // chunk * chunk
 
 
 def paired_cost(times: list[float], warm: int = WARM_STEPS) -> dict[str, float]:
@@ -141,7 +141,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
     main, m, v = (torch.rand(shard, device=device) for _ in range(3))
     pinned_own = torch.empty(3 * shard, dtype=torch.float32, pin_memory=True)
     pinned_ward = torch.empty(3 * shard, dtype=torch.float32, pin_memory=True)
-    staging = torch.empty(CHUNK, device=device, dtype=torch.float32)
+    chunk = args.chunk_mib << 18  # fp32 elements
+    staging = torch.empty(chunk, device=device, dtype=torch.float32)
     side = torch.cuda.Stream(device=device)
     gemms = _gemms(device, args.tokens, args.hidden)
 
@@ -178,7 +179,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
 
     def refresh(parts: Parts) -> tuple:
         nonlocal ward_whole
-        n = _moved(shard, parts)
+        n = _moved(shard, parts, chunk)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             start = torch.cuda.Event(enable_timing=True)
@@ -190,7 +191,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
             read = torch.cuda.Event()
             read.record(side)
             if parts.own and parts.pace_gbps:
-                pieces = [(pinned_own[i : i + CHUNK], flat[i : i + CHUNK]) for i in range(0, n, CHUNK)]
+                pieces = [(pinned_own[i : i + chunk], flat[i : i + chunk]) for i in range(0, n, chunk)]
                 end = torch.cuda.Event(enable_timing=True)
                 flat.record_stream(side)
                 return read, end, start, paced(pieces, parts.pace_gbps, end)  # beside the next step
@@ -199,16 +200,16 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
             if parts.decoupled and ward_whole.numel() < n:
                 ward_whole = torch.empty(n, device=device)
             if parts.exchange:
-                for i in range(0, n, CHUNK):
-                    into = ward_whole[i : i + CHUNK] if parts.decoupled else staging
+                for i in range(0, n, chunk):
+                    into = ward_whole[i : i + chunk] if parts.decoupled else staging
                     ops = [
-                        dist.P2POp(dist.isend, flat[i : i + CHUNK], buddy, copies),
+                        dist.P2POp(dist.isend, flat[i : i + chunk], buddy, copies),
                         dist.P2POp(dist.irecv, into, ward, copies),
                     ]
                     for work in dist.batch_isend_irecv(ops):
                         work.wait()
                     if parts.ward and not parts.decoupled:
-                        pinned_ward[i : i + CHUNK].copy_(staging, non_blocking=True)
+                        pinned_ward[i : i + chunk].copy_(staging, non_blocking=True)
             if parts.decoupled:
                 pinned_own[:n].copy_(flat, non_blocking=True)
                 if parts.ward:
@@ -275,6 +276,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=300.0, help="the compute of a step, about")
     parser.add_argument("--steps", type=int, default=40, help="per arm")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--chunk-mib", type=int, default=CHUNK >> 18, help="a transfer, and the staging buffer")
     parser.add_argument("--copy-ctas", type=int, default=0, help="the copies on a communicator of this maxCTAs")
     parser.add_argument("--cta-policy", type=int, default=-1, help="the copies on a communicator of this ctaPolicy")
     parser.add_argument("--out", default="")
@@ -285,7 +287,8 @@ def main() -> None:
         parser.error(f"unknown arms {unknown}; the arms: {', '.join(ARMS)}")
     if not 2 <= args.gpus <= torch.cuda.device_count():
         parser.error(f"--gpus {args.gpus}: two CUDA devices at least, and this machine has {torch.cuda.device_count()}")
-    small = [a for a in args.arms if ARMS[a].refresh and not _moved(args.params // args.gpus, ARMS[a])]
+    chunk = args.chunk_mib << 18
+    small = [a for a in args.arms if ARMS[a].refresh and not _moved(args.params // args.gpus, ARMS[a], chunk)]
     if small:
         parser.error(f"--params {args.params} over {args.gpus} GPUs is less than a chunk a refresh for {small}")
     with socket.socket() as probe:  # a free port for the rendezvous
