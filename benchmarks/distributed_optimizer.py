@@ -55,6 +55,7 @@ sys.path[:0] = [str(REPO / p) for p in ("contract", "operator", "trainer", "loca
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
+from paired_steps import split_by_refresh  # noqa: E402
 from steady_state import RECIPE  # noqa: E402
 from trainer_recovery import add_job_args, job_spec, kill_inside_step  # noqa: E402
 from worker_harness import WorkerCluster, in_memory_plan, wait_for  # noqa: E402
@@ -398,8 +399,7 @@ def refresh_cost(times: dict[int, float], interval: int) -> dict[str, float]:
     step, less the training thread's own time per refresh between steps (``refresh_times``'
     ``host_s``, a few ms). Epochs alternate minutes apart, and a shared host drifted by more than the
     copies cost between them (5-25 % on the machines measured); steps a second apart do not."""
-    beside = [t for step, t in times.items() if (step - 1) % interval == 0]
-    clear = [t for step, t in times.items() if (step - 1) % interval >= 2]
+    beside, clear = split_by_refresh(times, interval)
     if not beside or not clear:
         raise ValueError(f"no steps to compare at interval {interval}: {sorted(times)}")
     on, off = statistics.median(beside), statistics.median(clear)

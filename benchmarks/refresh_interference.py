@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from paired_steps import split_by_refresh
 
 CHUNK = 64 << 20  # elements a transfer (and of the staging buffer), as worker/buddy_copies.CHUNK_ELEMENTS
 INTERVAL = 3  # steps between refreshes: the step after one is left out of both medians
@@ -82,10 +83,10 @@ def _moved(shard: int, parts: Parts, chunk: int = CHUNK) -> int:
 
 def paired_cost(times: list[float], warm: int = WARM_STEPS) -> dict[str, float]:
     """The median step beside a refresh against the median step clear of one, from an arm's step
-    ``times``: a refresh started after step i (i % INTERVAL == 0) runs beside step i + 1, and step
-    i + INTERVAL, the next to start one, is clear of it. The first ``warm`` steps are left out."""
-    beside = [t for i, t in enumerate(times) if i >= warm and i % INTERVAL == 1]
-    clear = [t for i, t in enumerate(times) if i >= warm and i % INTERVAL == 0]
+    ``times`` (``paired_steps.split_by_refresh``, each index as its step count): a refresh started
+    after step i (i % INTERVAL == 0) runs beside step i + 1, and step i + INTERVAL, the next to start
+    one, is clear of it. The first ``warm`` steps are left out."""
+    beside, clear = split_by_refresh({i: t for i, t in enumerate(times) if i >= warm}, INTERVAL)
     if not beside or not clear:
         raise ValueError(f"{len(times)} steps hold no step beside a refresh and none clear of one after {warm}")
     b, c = statistics.median(beside), statistics.median(clear)
