@@ -11,9 +11,11 @@ communicator in chunks, the ward's chunks landing in host memory through a stagi
 Each arm (:data:`ARMS`) switches parts of the refresh off or changes them: only the transfers,
 only the copies to host memory, a fraction of the shard's bytes, the copies to host memory issued
 at a paced rate, the ward's shard received whole into GPU memory before either copy to host
-memory. An arm refreshes every :data:`INTERVAL` steps, and its cost is the median step beside a
-refresh against the median step clear of one, seconds apart in the same arm (:func:`paired_cost`):
-epochs minutes apart differed by more than the cost on every host tried. ``--copy-ctas`` and
+memory, the ward's chunks received into two staging buffers in turn and copied out on a stream of
+their own (the next transfer need not wait for the last copy out). An arm refreshes every
+:data:`INTERVAL` steps, and its cost is the median step beside a refresh against the median step
+clear of one, seconds apart in the same arm (:func:`paired_cost`): epochs minutes apart differed by
+more than the cost on every host tried. ``--copy-ctas`` and
 ``--cta-policy`` put the transfers on a communicator of their own with that ncclConfig.
 
     python benchmarks/refresh_interference.py --gpus 2 --out results.json
@@ -30,6 +32,7 @@ import statistics
 import threading
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,7 @@ class Parts:
     dp: bool = True  # the step's reduce-scatter and all-gather
     pace_gbps: float = 0.0  # copies to host memory issued from a thread at most this fast (0: at once)
     decoupled: bool = False  # the ward's shard whole into GPU memory first, both copies to host after
+    pipelined: bool = False  # two staging buffers, the ward's chunks copied out on a stream of their own
 
 
 #: arm -> what its refreshes do
@@ -70,6 +74,8 @@ ARMS: dict[str, Parts] = {
     "none_no_dp": Parts(refresh=False, dp=False),
     "full_no_dp": Parts(dp=False),
     "full_decoupled": Parts(decoupled=True),
+    "full_pipelined": Parts(pipelined=True),
+    "third_pipelined": Parts(fraction=1 / 3, pipelined=True),
     "host_both_only": Parts(exchange=False, decoupled=True),
     "host_paced_40": Parts(exchange=False, ward=False, pace_gbps=40),
     "host_paced_20": Parts(exchange=False, ward=False, pace_gbps=20),
@@ -113,6 +119,22 @@ def _compute(gemms: list[tuple[torch.Tensor, torch.Tensor]], rounds: int) -> Non
             torch.mm(a, b)
 
 
+class _Refresh(NamedTuple):
+    """A refresh in flight: its side stream's events, and the thread issuing paced copies (or None)."""
+
+    read: torch.cuda.Event  # the shard was read: the next optimizer update may write it
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    pacer: threading.Thread | None
+
+    def wait(self) -> float:
+        """Wait for the refresh's end; its time on the side stream (ms)."""
+        if self.pacer is not None:
+            self.pacer.join()  # the end event is recorded once every paced copy was issued
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
+
+
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results: dict) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -142,9 +164,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
     main, m, v = (torch.rand(shard, device=device) for _ in range(3))
     pinned_own = torch.empty(3 * shard, dtype=torch.float32, pin_memory=True)
     pinned_ward = torch.empty(3 * shard, dtype=torch.float32, pin_memory=True)
-    chunk = args.chunk_mib << 18  # fp32 elements
-    staging = torch.empty(chunk, device=device, dtype=torch.float32)
+    chunk = args.chunk  # fp32 elements
+    stagings = [torch.empty(chunk, device=device, dtype=torch.float32) for _ in range(2)]
+    staging = stagings[0]
     side = torch.cuda.Stream(device=device)
+    outs = torch.cuda.Stream(device=device)  # a pipelined arm's copies out of its staging buffers
     gemms = _gemms(device, args.tokens, args.hidden)
 
     def optimizer() -> None:
@@ -178,7 +202,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
         thread.start()
         return thread
 
-    def refresh(parts: Parts) -> tuple:
+    def refresh(parts: Parts) -> _Refresh:
         nonlocal ward_whole
         n = _moved(shard, parts, chunk)
         side.wait_stream(torch.cuda.current_stream())
@@ -195,12 +219,30 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
                 pieces = [(pinned_own[i : i + chunk], flat[i : i + chunk]) for i in range(0, n, chunk)]
                 end = torch.cuda.Event(enable_timing=True)
                 flat.record_stream(side)
-                return read, end, start, paced(pieces, parts.pace_gbps, end)  # beside the next step
+                return _Refresh(read, start, end, paced(pieces, parts.pace_gbps, end))  # beside the next step
             elif parts.own and not parts.decoupled:
                 pinned_own[:n].copy_(flat, non_blocking=True)
             if parts.decoupled and ward_whole.numel() < n:
                 ward_whole = torch.empty(n, device=device)
-            if parts.exchange:
+            if parts.exchange and parts.pipelined:
+                freed: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy out
+                for k, i in enumerate(range(0, n, chunk)):
+                    into = stagings[k % 2]
+                    if freed[k % 2] is not None:
+                        side.wait_event(freed[k % 2])
+                    ops = [
+                        dist.P2POp(dist.isend, flat[i : i + chunk], buddy, copies),
+                        dist.P2POp(dist.irecv, into, ward, copies),
+                    ]
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait()
+                    outs.wait_stream(side)
+                    with torch.cuda.stream(outs):
+                        pinned_ward[i : i + chunk].copy_(into, non_blocking=True)
+                        freed[k % 2] = torch.cuda.Event()
+                        freed[k % 2].record(outs)
+                side.wait_stream(outs)  # the end below covers the copies out
+            elif parts.exchange:
                 for i in range(0, n, chunk):
                     into = ward_whole[i : i + chunk] if parts.decoupled else staging
                     ops = [
@@ -218,7 +260,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
             flat.record_stream(side)
             end = torch.cuda.Event(enable_timing=True)
             end.record(side)
-        return read, end, start, None
+        return _Refresh(read, start, end, None)
 
     # Calibrate the compute to about --step-ms (alone, no collectives).
     _compute(gemms, 5)
@@ -233,8 +275,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
     # Warm: every communicator and transfer once.
     step(rounds, True, None)
     torch.cuda.synchronize()
-    _, end, _, _ = refresh(ARMS["full"])
-    end.synchronize()
+    refresh(ARMS["full"]).wait()
+    refresh(ARMS["full_pipelined"]).wait()
     dist.barrier()
 
     out: dict = {"rounds": rounds, "gemm_round_ms": per_round * 1000, "arms": {}}
@@ -242,25 +284,20 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
         parts = ARMS[arm]
         times: list[float] = []
         refresh_ms: list[float] = []
-        pending: tuple | None = None
+        pending: _Refresh | None = None
         for i in range(args.steps):
-            hold = pending[0] if pending else None
+            hold = pending.read if pending else None
             dist.barrier(group=dp)  # the ranks start each step together, as after a loss's all-reduce
             began = time.perf_counter()
             step(rounds, parts.dp, hold)
             times.append(time.perf_counter() - began)
             if pending:
-                if pending[3] is not None:
-                    pending[3].join()
-                pending[1].synchronize()  # the host waits here, after the step beside it was timed
-                refresh_ms.append(pending[2].elapsed_time(pending[1]))
+                refresh_ms.append(pending.wait())  # the host waits here, after the step beside it was timed
                 pending = None
             if parts.refresh and i % INTERVAL == 0:
                 pending = refresh(parts)
         if pending:
-            if pending[3] is not None:
-                pending[3].join()
-            pending[1].synchronize()
+            pending.wait()
         out["arms"][arm] = {**paired_cost(times), "refresh_ms": statistics.median(refresh_ms) if refresh_ms else 0.0}
         if rank == 0:
             print(arm, json.dumps({k: round(x, 4) for k, x in out["arms"][arm].items()}), flush=True)
@@ -286,10 +323,12 @@ def main() -> None:
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; the arms: {', '.join(ARMS)}")
+    if len(set(args.arms)) < len(args.arms):
+        parser.error(f"--arms names an arm twice ({args.arms}): the report keeps one result an arm")
     if not 2 <= args.gpus <= torch.cuda.device_count():
         parser.error(f"--gpus {args.gpus}: two CUDA devices at least, and this machine has {torch.cuda.device_count()}")
-    chunk = args.chunk_mib << 18
-    small = [a for a in args.arms if ARMS[a].refresh and not _moved(args.params // args.gpus, ARMS[a], chunk)]
+    args.chunk = args.chunk_mib << 18  # fp32 elements
+    small = [a for a in args.arms if ARMS[a].refresh and not _moved(args.params // args.gpus, ARMS[a], args.chunk)]
     if small:
         parser.error(f"--params {args.params} over {args.gpus} GPUs is less than a chunk a refresh for {small}")
     with socket.socket() as probe:  # a free port for the rendezvous
