@@ -17,8 +17,11 @@ when the plan asks for buddies. Two transports:
 
 - **On GPU (the epoch's world group is NCCL)** the shards go GPU to GPU over NCCL, the link a job's
   collectives already use (NVLink, InfiniBand): batched sends and receives on the world group,
-  enqueued on the side stream in chunks of at most :data:`CHUNK_ELEMENTS`; each received chunk is
-  copied from a GPU staging buffer of that size to the ward's pinned host copy. The flat shards
+  enqueued on the side stream in chunks of at most :data:`CHUNK_ELEMENTS`, the ward's received into
+  two GPU staging buffers of that size in turn, each chunk copied out to the ward's pinned host copy
+  on a stream of its own, so a transfer waits for the copy out of the chunk two before it, not the
+  last one (on 2xH200 this cut what a refresh costs the step beside it from 49.5-60.0 ms to 14.4-48.3 ms,
+  same machine, alternating runs; benchmarks/README.md). The flat shards
   are assembled on the side stream too (:meth:`BuddyCopies.assemble`), beside the next step's
   compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
   Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
@@ -27,11 +30,11 @@ when the plan asks for buddies. Two transports:
   13.4 GB into host memory per refresh) a refresh keeps the side stream 0.31-0.32 s (assembly
   0.004 s, own snapshot 0.13-0.14 s at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the
   training thread ~3-5 ms, whatever the step's length, and the step beside it slows by 22-38 ms
-  (measured inside an epoch): +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a 1.2 s step, +0.84 % of
-  a 2.5 s step. Taken apart (benchmarks/refresh_interference.py): the NCCL transfers ~11 ms (on
-  fewer CTAs they run longer and cost more), the copies to host memory ~6 ms, the ward's chunks
-  each waiting for the copy out of the one staging buffer ~8 ms; no setting tried brought a refresh
-  of the whole shard under ~15 ms at this size. Over gloo,
+  (measured inside an epoch, with one staging buffer): +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a
+  1.2 s step, +0.84 % of a 2.5 s step. Taken apart (benchmarks/refresh_interference.py): the NCCL
+  transfers ~11 ms (on fewer CTAs they run longer and cost more), the copies to host memory ~6 ms, the
+  ward's chunks each waiting for the copy out of one staging buffer ~8 ms (two in turn: 3-4 ms less);
+  no setting tried brought a refresh of the whole shard under ~15 ms at this size. Over gloo,
   every 4 steps cost +269 % (2xH100). The world group carries no per-step collective, so the
   transfers wait for nothing of the step's. A sender ends its transfers with a token (the step);
   the receiver counts the copy complete only when the token arrived: after a communicator abort
@@ -84,15 +87,16 @@ _EVENT_POLL_SECONDS = 0.001
 _THREAD_END_SECONDS = 5.0
 
 
-#: One side stream per device for the process's life: the caching allocator keeps a stream's freed
+#: Streams per device and role for the process's life: the caching allocator keeps a stream's freed
 #: blocks for that stream, so a stream per epoch would strand a staging buffer at every re-mesh.
-_SIDE_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[tuple[torch.device, str], Any] = {}
 
 
-def _side_stream(device: torch.device) -> Any:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
+def _side_stream(device: torch.device, role: str = "side") -> Any:
+    """The refresh's side stream (``side``), or the one that copies received chunks out (``out``)."""
+    if (device, role) not in _STREAMS:
+        _STREAMS[device, role] = torch.cuda.Stream(device=device)
+    return _STREAMS[device, role]
 
 
 def _fits(
@@ -296,23 +300,39 @@ class BuddyCopies:
     def _send_on_device(self, step: int, shards: Sequence[torch.Tensor], ward: list[torch.Tensor]) -> _DeviceExchange:
         """Queue the GPU transport's refresh on the side stream, after the snapshot's copy to host
         memory: this rank's ``shards`` to its buddy and its ward's into ``ward`` (pinned), chunk by
-        chunk through one staging buffer, then the tokens. Called on the main thread, so that every
-        rank queues its transfers on the world group in the same order as its other work there."""
+        chunk into two staging buffers in turn, then the tokens. Each received chunk is copied out to
+        ``ward`` on a stream of its own (:func:`_side_stream`), so the next transfer waits only for
+        the copy out of the chunk two before it (in the same buffer), not of the last one. Called on the main
+        thread, so that every rank queues its transfers on the world group in the same order as its
+        other work there."""
         sends = [piece for s in shards for piece in _chunks(s.view(-1))]
         lands = [piece for t in ward for piece in _chunks(t.view(-1))]
         device = next(s.device for s in shards if s.is_cuda)
+        outs = _side_stream(device, "out")
         token = torch.full((1,), -1, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self._stream):  # the transfers start after what it holds, and it waits for them
             size = max((p.numel() for p in lands), default=0)
-            staging = torch.empty(size, dtype=ward[0].dtype if ward else torch.float32, device=device)
+            dtype = ward[0].dtype if ward else torch.float32
+            stagings = [torch.empty(size, dtype=dtype, device=device) for _ in range(min(2, len(lands)))]
+            freed: list[Any] = [None] * len(stagings)  # each buffer's last copy out
+            for staging in stagings:
+                staging.record_stream(outs)  # not reused before the copies out of it are done
             for i in range(max(len(sends), len(lands))):
                 ops = [dist.P2POp(dist.isend, sends[i], self.buddy)] if i < len(sends) else []
                 if i < len(lands):
-                    ops.append(dist.P2POp(dist.irecv, staging[: lands[i].numel()], self.ward))
+                    into = stagings[i % 2][: lands[i].numel()]
+                    if freed[i % 2] is not None:
+                        self._stream.wait_event(freed[i % 2])
+                    ops.append(dist.P2POp(dist.irecv, into, self.ward))
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()  # the side stream waits for NCCL's; the host does not
                 if i < len(lands):
-                    lands[i].copy_(staging[: lands[i].numel()], non_blocking=True)
+                    outs.wait_stream(self._stream)
+                    with torch.cuda.stream(outs):
+                        lands[i].copy_(into, non_blocking=True)
+                        freed[i % 2] = torch.cuda.Event()
+                        freed[i % 2].record(outs)
+            self._stream.wait_stream(outs)  # the end below covers the copies out
             mine = torch.full((1,), step, dtype=torch.int64, device=device)
             theirs = torch.full((1,), -1, dtype=torch.int64, device=device)
             ops = [dist.P2POp(dist.isend, mine, self.buddy), dist.P2POp(dist.irecv, theirs, self.ward)]
@@ -321,7 +341,7 @@ class BuddyCopies:
             token.copy_(theirs, non_blocking=True)
             end = torch.cuda.Event(enable_timing=True)
             end.record(self._stream)
-        return _DeviceExchange(step, end, token, [sends, staging, mine, theirs])
+        return _DeviceExchange(step, end, token, [sends, stagings, mine, theirs])
 
     def _copy_to_host(self, own: list[torch.Tensor], shards: Sequence[torch.Tensor]) -> Any:
         """Start copying GPU ``shards`` into pinned ``own`` on the side stream, after what the
