@@ -298,7 +298,7 @@ def test_the_production_examples_workload_passes_kueues_validation(
     assert [(p["name"], p["count"]) for p in created["spec"]["podSets"]] == [("workers", 16), ("spares", 2)]
 
 
-def test_without_kueue_a_labelled_job_runs_as_any_other(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_without_kueue_a_labelled_job_runs_as_any_other(tmp_path: Path) -> None:
     """A control plane of its own, without Kueue's CRDs (the session's may have them by now)."""
     with LocalCluster() as cluster:
         cluster.install_crds()
@@ -306,13 +306,20 @@ def test_without_kueue_a_labelled_job_runs_as_any_other(tmp_path: Path, request:
             "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "plain"}}
         )
         assert status == 201, body
-        for h in harness_for_test(cluster, "plain", tmp_path, request, JOB):
+        # Closed here, not by a fixture: before its control plane stops, and its dump of a failure
+        # printed while this test's output is still captured.
+        h = Harness(cluster, "plain", tmp_path, JOB)
+        failed = True
+        try:
             h.add_nodes(1)
             h.start_operator()
             _submit(h, replicas=2, spares=1)
             status = h.wait_running(1, T)
             assert _condition(status, "QueueAdmitted") is None and _condition(status, "Suspended") is None, status
             assert "runs without queueing" in h.operators[0].log_text()
+            failed = False
+        finally:
+            h.close(failed=failed)
 
 
 def _chart_identity(h: Harness) -> Path:
