@@ -24,3 +24,14 @@ def test_a_refresh_is_charged_to_the_step_beside_it_against_the_step_that_starts
     assert got["pairs"] == 2 and got["median_step_s"] == 0.52
     with pytest.raises(ValueError, match="no step beside a refresh"):
         paired_cost(times[:6])
+
+
+def test_an_arm_named_twice_is_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from refresh_interference import main
+
+    monkeypatch.setattr("sys.argv", ["refresh_interference.py", "--arms", "none,full,none"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert "names an arm twice" in capsys.readouterr().err
