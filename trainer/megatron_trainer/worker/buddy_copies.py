@@ -20,8 +20,8 @@ when the plan asks for buddies. Two transports:
   enqueued on the side stream in chunks of at most :data:`CHUNK_ELEMENTS`, the ward's received into
   two GPU staging buffers of that size in turn, each chunk copied out to the ward's pinned host copy
   on a stream of its own, so a transfer waits for the copy out of the chunk two before it, not the
-  last one (on 2xH200 this cut what a refresh costs the step beside it from 49.5-60.0 ms to 14.4-48.3 ms,
-  same machine, alternating runs; benchmarks/README.md). The flat shards
+  last one (on one 2xH200 machine this cut what a refresh costs the step beside it from 49.5-60.0 ms
+  to 14.4-48.3 ms, the two alternating; benchmarks/README.md). The flat shards
   are assembled on the side stream too (:meth:`BuddyCopies.assemble`), beside the next step's
   compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
   Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
@@ -30,7 +30,8 @@ when the plan asks for buddies. Two transports:
   13.4 GB into host memory per refresh) a refresh keeps the side stream 0.31-0.32 s (assembly
   0.004 s, own snapshot 0.13-0.14 s at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the
   training thread ~3-5 ms, whatever the step's length, and the step beside it slows by 22-38 ms
-  (measured inside an epoch, with one staging buffer): +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a
+  (measured inside an epoch, with one staging buffer, on another machine than the figures above):
+  +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a
   1.2 s step, +0.84 % of a 2.5 s step. Taken apart (benchmarks/refresh_interference.py): the NCCL
   transfers ~11 ms (on fewer CTAs they run longer and cost more), the copies to host memory ~6 ms, the
   ward's chunks each waiting for the copy out of one staging buffer ~8 ms (two in turn: 3-4 ms less);
