@@ -123,10 +123,12 @@ class LocalCluster:
             names = [c.name for c in build.CONTROL_PLANE] + (["kwok"] if self.with_kwok else [])
             binaries = build.build_all(names)
         except build.BuildError as err:
+            self._discard_workdir()
             raise ClusterError(str(err)) from err
         if self.apiserver_port is None:
             self.apiserver_port = free_port()
         elif port_in_use(self.apiserver_port):
+            self._discard_workdir()
             raise ClusterError(
                 f"port {self.apiserver_port} for kube-apiserver is taken by another process; "
                 "stop it (`python -m localcluster down`?) or choose another with --port"
@@ -163,6 +165,12 @@ class LocalCluster:
             _terminate(self.procs[name].pid, name)
         self.procs.clear()
         (self.workdir / STATE_FILE).unlink(missing_ok=True)
+        self._discard_workdir()
+
+    def _discard_workdir(self) -> None:
+        """Remove the temporary folder this cluster made (a folder given to it is the caller's). A start
+        that fails before anything runs calls this, not :meth:`stop`: a cluster already running in a
+        given folder keeps its state file."""
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -73,15 +73,19 @@ def test_taken_port_is_reported() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
+        cluster = LocalCluster(apiserver_port=port, kwok=False)
         with pytest.raises(ClusterError, match=f"port {port} for kube-apiserver is taken"):
-            LocalCluster(apiserver_port=port, kwok=False).start()
+            cluster.start()
+        assert not cluster.workdir.exists(), "a failed start left the folder it made"
 
 
 def test_failed_build_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(build.ENV_CACHE_DIR, str(tmp_path))  # nothing cached here
     monkeypatch.setenv("PATH", "/nonexistent")  # and no Go toolchain
+    cluster = LocalCluster(kwok=False)
     with pytest.raises(ClusterError, match="Go toolchain"):
-        LocalCluster(kwok=False).start()
+        cluster.start()
+    assert not cluster.workdir.exists(), "a failed start left the folder it made"
 
 
 def test_cli_up_and_down(tmp_path: Path) -> None:
