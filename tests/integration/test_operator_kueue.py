@@ -42,7 +42,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
 from operator_factories import make_job
-from operator_harness import JOBS, POOL_LABEL, REPO, Harness, OperatorProcess, harness_for_test
+from operator_harness import JOBS, POOL_LABEL, REPO, Harness, OperatorProcess, harness_for_test, open_harness
 
 from localcluster import build
 from localcluster import kueue as kueue_objects
@@ -308,18 +308,13 @@ def test_without_kueue_a_labelled_job_runs_as_any_other(tmp_path: Path) -> None:
         assert status == 201, body
         # Closed here, not by a fixture: before its control plane stops, and its dump of a failure
         # printed while this test's output is still captured.
-        h = Harness(cluster, "plain", tmp_path, JOB)
-        failed = True
-        try:
+        with open_harness(cluster, "plain", tmp_path, JOB) as h:
             h.add_nodes(1)
             h.start_operator()
             _submit(h, replicas=2, spares=1)
             status = h.wait_running(1, T)
             assert _condition(status, "QueueAdmitted") is None and _condition(status, "Suspended") is None, status
             assert "runs without queueing" in h.operators[0].log_text()
-            failed = False
-        finally:
-            h.close(failed=failed)
 
 
 def _chart_identity(h: Harness) -> Path:

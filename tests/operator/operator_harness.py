@@ -544,11 +544,25 @@ class Harness:
                 self.cluster.request("DELETE", f"/api/v1/nodes/{name}")
 
 
-def harness_for_test(cluster: Any, namespace: str, tmp: Path, request: Any, job: str) -> Iterator[Harness]:
-    """A Harness for one test; dumps logs and objects when the test failed."""
-    failed_before = request.session.testsfailed
+@contextlib.contextmanager
+def open_harness(cluster: Any, namespace: str, tmp: Path, job: str, request: Any = None) -> Iterator[Harness]:
+    """A Harness closed when the block is left; it dumps logs and objects when the test failed: an
+    exception left the block, or (given pytest's ``request``) pytest counted a failure meanwhile (a
+    fixture's teardown sees no exception)."""
+    failed_before = request.session.testsfailed if request is not None else 0
     harness = Harness(cluster, namespace, tmp, job)
+    failed = False
     try:
         yield harness
+    except BaseException:
+        failed = True
+        raise
     finally:
-        harness.close(failed=request.session.testsfailed > failed_before)
+        counted = request is not None and request.session.testsfailed > failed_before
+        harness.close(failed=failed or counted)
+
+
+def harness_for_test(cluster: Any, namespace: str, tmp: Path, request: Any, job: str) -> Iterator[Harness]:
+    """A Harness for one test's fixture (``yield from`` it); dumps logs and objects when the test failed."""
+    with open_harness(cluster, namespace, tmp, job, request) as harness:
+        yield harness
