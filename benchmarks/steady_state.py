@@ -107,6 +107,49 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # -- the plain arm: one process per GPU ------------------------------------------------------------
 
 
+def start_rank(rank: int, world: int, store: Any) -> tuple[MegatronJobSpec, Any]:
+    """Start a benchmark's rank as the worker starts one: the worker's environment defaults (so only
+    the worker machinery differs), this rank's device (``CUDA_VISIBLE_DEVICES`` names its GPU; CPU
+    shims where there is none), the default process group on ``store`` and Megatron's parallel state
+    for the job in the environment. Returns that job and the device. The caller may have imported
+    torch and made ``store``, but not used CUDA yet. Also used by step_replay.py."""
+    from megatron_trainer.worker.settings import apply_process_defaults
+
+    apply_process_defaults()
+    import warnings
+    from datetime import timedelta
+
+    warnings.filterwarnings("ignore", module="megatron")
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_trainer.worker.rendezvous import device_for
+
+    spec = MegatronJobSpec.model_validate_json(os.environ[wire.ENV_JOB_SPEC])
+    device = device_for(0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        from megatron_trainer import cpu_compat
+
+        cpu_compat.install()
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=30),
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        context_parallel_size=spec.cp,
+        create_gloo_process_groups=False,
+    )
+    return spec, device
+
+
 def plain_rank_main(argv: list[str]) -> int:
     """One rank of the plain Megatron-Core loop; serves ``run`` / ``memory`` / ``exit`` commands
     (JSON lines) on the socket ``--channel-fd``."""
@@ -117,44 +160,19 @@ def plain_rank_main(argv: list[str]) -> int:
     parser.add_argument("--channel-fd", type=int, required=True)
     args = parser.parse_args(argv)
 
-    from megatron_trainer.worker.settings import apply_process_defaults
-
-    apply_process_defaults()  # the worker's environment, so only the worker machinery differs
-    import warnings
     from datetime import timedelta
 
-    warnings.filterwarnings("ignore", module="megatron")
     import torch
     import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=600))
+    spec, device = start_rank(args.rank, args.world, dist.PrefixStore("plain/", client))
     from megatron.core import parallel_state
 
     from megatron_contract.mesh import BatchGeometry
     from megatron_trainer.worker.data import MockTokens
     from megatron_trainer.worker.model import build_train_state, sync_initial_weights
-    from megatron_trainer.worker.rendezvous import device_for
 
-    spec = MegatronJobSpec.model_validate_json(os.environ[wire.ENV_JOB_SPEC])
-    device = device_for(0)  # CUDA_VISIBLE_DEVICES names this rank's GPU
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        from megatron_trainer import cpu_compat
-
-        cpu_compat.install()
-    client = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=600))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        store=dist.PrefixStore("plain/", client),
-        rank=args.rank,
-        world_size=args.world,
-        timeout=timedelta(minutes=30),
-    )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=spec.tp,
-        pipeline_model_parallel_size=spec.pp,
-        context_parallel_size=spec.cp,
-        create_gloo_process_groups=False,
-    )
     ts = build_train_state(spec, device, initialize=True)
     sync_initial_weights(ts)
     dp = parallel_state.get_data_parallel_world_size()
