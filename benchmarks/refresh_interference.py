@@ -12,7 +12,8 @@ Each arm (:data:`ARMS`) switches parts of the refresh off or changes them: only 
 only the copies to host memory, a fraction of the shard's bytes, the copies to host memory issued
 at a paced rate, the ward's shard received whole into GPU memory before either copy to host
 memory, the ward's chunks received into two staging buffers in turn and copied out on a stream of
-their own (the next transfer need not wait for the last copy out). An arm refreshes every
+their own (the next transfer need not wait for the last copy out), and the bytes of a refresh by
+update log (a step's gradients and a rolling part of the whole state, worker/step_log.py). An arm refreshes every
 :data:`INTERVAL` steps, and its cost is the median step beside a refresh against the median step
 clear of one, seconds apart in the same arm (:func:`paired_cost`): epochs minutes apart differed by
 more than the cost on every host tried. ``--copy-ctas`` and
@@ -76,6 +77,14 @@ ARMS: dict[str, Parts] = {
     "full_decoupled": Parts(decoupled=True),
     "full_pipelined": Parts(pipelined=True),
     "third_pipelined": Parts(fraction=1 / 3, pipelined=True),
+    # A refresh by update log (worker/step_log.py): each step's gradients (a third of the bytes) and
+    # a rolling eighth / sixteenth of the whole state.
+    "log_rolling_8_pipelined": Parts(fraction=1 / 3 + 1 / 8, pipelined=True),
+    "log_rolling_16_pipelined": Parts(fraction=1 / 3 + 1 / 16, pipelined=True),
+    # Without the own copy to host memory (the ward's only), and a sixth (bf16 gradients).
+    "third_pipelined_no_own": Parts(fraction=1 / 3, pipelined=True, own=False),
+    "sixth_pipelined": Parts(fraction=1 / 6, pipelined=True),
+    "sixth_pipelined_no_own": Parts(fraction=1 / 6, pipelined=True, own=False),
     "host_both_only": Parts(exchange=False, decoupled=True),
     "host_paced_40": Parts(exchange=False, ward=False, pace_gbps=40),
     "host_paced_20": Parts(exchange=False, ward=False, pace_gbps=20),
@@ -212,7 +221,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, results:
             if not parts.assemble:
                 flat = main.new_empty(n)
             else:
-                flat = torch.cat([main, m, v])[:n] if parts.fraction == 1 else main[:n].clone()
+                flat = torch.cat([main, m, v])[:n] if n > main.numel() else main[:n].clone()
             read = torch.cuda.Event()
             read.record(side)
             if parts.own and parts.pace_gbps:
