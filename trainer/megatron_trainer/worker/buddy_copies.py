@@ -3,14 +3,14 @@ for its *ward* (the rank whose buddy it is, ``MeshPlan.buddy_of``; on another po
 
 A refresh copies this rank's flat shards (worker/optimizer_shards.py) to host memory and exchanges
 them point to point: this rank's snapshot to its buddy, its ward's into this rank's memory. It is
-started after an optimizer step and runs beside the steps that follow: on GPU the copy to pinned host
-memory runs on a side stream (the shards are a copy already, so the next optimizer step need not wait
-for it), and the exchange after it (below). It is finished (waited for)
-only when the next refresh is due or the epoch is left; in between the training loop asks whether it
-is done (:meth:`BuddyCopies.poll`). Only a finished refresh counts as a complete copy. Two
-generations are kept, so while a refresh is in flight the previous complete one is still whole: a
-failure then goes back to it (the plan says how many steps are redone). The host memory this takes
-per pod is ``megatron_contract.host_memory.pod_copy_bytes``.
+started after an optimizer step and runs beside the steps that follow: on GPU the copy to pinned
+host memory runs on a side stream (the shards are a copy already, so the next optimizer step need
+not wait for it), and the exchange after it (below). It is finished (waited for) only when the next
+refresh is due or the epoch is left; in between the training loop asks whether it is done
+(:meth:`BuddyCopies.poll`). Only a finished refresh counts as a complete copy. Two generations are
+kept, so while a refresh is in flight the previous complete one is still whole: a failure then goes
+back to it (the plan says how many steps are redone). The host memory this takes per pod is
+``megatron_contract.host_memory.pod_copy_bytes``.
 
 The training loop (worker/training_loop.py) refreshes after every ``replicaIntervalSteps``-th step
 when the plan asks for buddies. Two transports:
@@ -21,34 +21,33 @@ when the plan asks for buddies. Two transports:
   two GPU staging buffers of that size in turn, each chunk copied out to the ward's pinned host copy
   on a stream of its own, so a transfer waits for the copy out of the chunk two before it, not the
   last one (on one 2xH200 machine this cut what a refresh costs the step beside it from 49.5-60.0 ms
-  to 14.4-48.3 ms, the two alternating; benchmarks/README.md). The flat shards
-  are assembled on the side stream too (:meth:`BuddyCopies.assemble`), beside the next step's
-  compute; that step's optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`).
-  Nothing waits on the host: the refresh is done when a CUDA event at the end of the side stream
-  is. Shards move as they lie in memory, column after column (``optimizer_shards.columns_of``);
-  the host copies are laid out the same way. On 2xH200 with a 1.1 B-parameter GPT (6.6 GB shards,
-  13.4 GB into host memory per refresh) a refresh keeps the side stream 0.31-0.32 s (assembly
-  0.004 s, own snapshot 0.13-0.14 s at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the
-  training thread ~3-5 ms, whatever the step's length, and the step beside it slows by 22-38 ms
-  (measured inside an epoch, with one staging buffer, on another machine than the figures above):
-  +9.57-10.73 % of a 0.36 s step, +2.17-2.67 % of a
-  1.2 s step, +0.84 % of a 2.5 s step. Taken apart (benchmarks/refresh_interference.py): the NCCL
-  transfers ~11 ms (on fewer CTAs they run longer and cost more), the copies to host memory ~6 ms, the
-  ward's chunks each waiting for the copy out of one staging buffer ~8 ms (two in turn: 3-4 ms less);
-  no setting tried brought a refresh of the whole shard under ~15 ms at this size. Over gloo,
-  every 4 steps cost +269 % (2xH100). The world group carries no per-step collective, so the
-  transfers wait for nothing of the step's. A sender ends its transfers with a token (the step);
-  the receiver counts the copy complete only when the token arrived: after a communicator abort
-  (a peer died) the pending receives end without data, and the token tells such a copy from a
-  whole one.
+  to 14.4-48.3 ms, the two alternating; benchmarks/README.md). The flat shards are assembled on the
+  side stream too (:meth:`BuddyCopies.assemble`), beside the next step's compute; that step's
+  optimizer update waits for it on the GPU (:meth:`BuddyCopies.hold_update`). Nothing waits on the
+  host: the refresh is done when a CUDA event at the end of the side stream is. Shards move as they
+  lie in memory, column after column (``optimizer_shards.columns_of``); the host copies are laid out
+  the same way. On 2xH200 with a 1.1 B-parameter GPT (6.6 GB shards, 13.4 GB into host memory per
+  refresh) a refresh keeps the side stream 0.31-0.32 s (assembly 0.004 s, own snapshot 0.13-0.14 s
+  at 55 GB/s, exchange and the ward's copy 0.17-0.18 s) and the training thread ~3-5 ms, whatever
+  the step's length, and the step beside it slows by 22-38 ms (measured inside an epoch, with one
+  staging buffer, on another machine than the figures above): +9.57-10.73 % of a 0.36 s step,
+  +2.17-2.67 % of a 1.2 s step, +0.84 % of a 2.5 s step. Taken apart
+  (benchmarks/refresh_interference.py): the NCCL transfers ~11 ms (on fewer CTAs they run longer and
+  cost more), the copies to host memory ~6 ms, the ward's chunks each waiting for the copy out of
+  one staging buffer ~8 ms (two in turn: 3-4 ms less); no setting tried brought a refresh of the
+  whole shard under ~15 ms at this size. Over gloo, every 4 steps cost +269 % (2xH100). The world
+  group carries no per-step collective, so the transfers wait for nothing of the step's. A sender
+  ends its transfers with a token (the step); the receiver counts the copy complete only when the
+  token arrived: after a communicator abort (a peer died) the pending receives end without data, and
+  the token tells such a copy from a whole one.
 - **On CPU, or without NCCL,** host memory moves on gloo connections of its own, one per pair of
   ranks that exchange (:func:`exchange_links`), made with the epoch's groups, on a thread of its
   own: its point-to-point traffic never interleaves with the training collectives. Pairs, not a
   world group: gloo connects every pair of a group's ranks, so a world group would hold a connection
   to every rank of the job where a rank talks to two. They are bare gloo backends on the epoch's
   store, not torch groups: ``new_group`` names a group made by its members alone from how many
-  groups each member already has, which differs along a ring of buddies. The GPU transport uses
-  them too, once an epoch, for the shards' shapes.
+  groups each member already has, which differs along a ring of buddies. The GPU transport uses them
+  too, once an epoch, for the shards' shapes.
 """
 
 from __future__ import annotations
