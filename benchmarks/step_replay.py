@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / p) for p in ("contract", "operator", "trainer", "localcluster", "tests", "tests/trainer")]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from steady_state import start_rank  # noqa: E402
+from steady_state import RECIPE, start_rank  # noqa: E402
 from trainer_recovery import add_job_args, job_spec  # noqa: E402
 from worker_harness import make_spec  # noqa: E402
 
@@ -60,35 +60,22 @@ from megatron_contract import wire  # noqa: E402
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec  # noqa: E402
 from megatron_trainer.agent.supervisor import signal_group  # noqa: E402
 
-#: The recipe's optimizer and schedule (as steady_state.py's RECIPE), in wire form.
-RECIPE: dict[str, Any] = {
-    "lr": 3e-4,
-    "optimizer": {
-        "adamBeta1": 0.9,
-        "adamBeta2": 0.95,
-        "adamEps": 1e-8,
-        "weightDecay": 0.1,
-        "clipGrad": 1.0,
-        "distributed": True,
-    },
-    "lrSchedule": {"warmupSteps": 10, "decayStyle": "cosine", "minLr": 3e-5, "decaySteps": 5000},
-}
-
 #: Columns of a flat shard, by name, for the comparisons.
 COLUMN_NAMES = ("param", "exp_avg", "exp_avg_sq")
 
 
 def _spec(args: argparse.Namespace, checkpoint_dir: Path) -> MegatronJobSpec:
+    """The job: the tests' tiny GPT (``--cpu``) or the benchmarks' (``--layers`` ...), bf16 on GPU,
+    trained with steady_state.py's recipe (its hyperparameters change from step to step)."""
     if args.cpu:
         spec = make_spec(replicas=args.gpus, tp=1, gpus_per_pod=1, global_batch_size=args.global_batch)
     else:
         spec = job_spec(args, dp=args.gpus, train_iters=1_000_000, spares=0)
-    w = spec.to_wire()
-    w["training"].update(RECIPE)
-    w["training"]["trainIters"] = 1_000_000
+    training = spec.training.model_copy(update={**RECIPE, "train_iters": 1_000_000})
     # The distributed optimizer needs a checkpoint directory in the spec; nothing is saved here.
-    w["checkpoint"] = CheckpointSpec(path=str(checkpoint_dir), interval_steps=10_000_000).to_wire()
-    return MegatronJobSpec.model_validate(w)
+    checkpoint = CheckpointSpec(path=str(checkpoint_dir), interval_steps=10_000_000)
+    spec = spec.model_copy(update={"training": training, "checkpoint": checkpoint})
+    return MegatronJobSpec.model_validate_json(json.dumps(spec.to_wire()))  # validated as the ranks read it
 
 
 # -- one rank ---------------------------------------------------------------------------------------
@@ -201,6 +188,7 @@ def rank_main(argv: list[str]) -> int:
         "shard_bytes": shard_bytes,
         "log_bytes_per_step": log.nbytes // args.steps,
         "updates_logged": len(log.updates),
+        "lr_logged": [u.groups[0]["lr"] for u in log.updates if u.optimizer == 0],
         "step_logged_s": logged_times,
         "step_plain_s": plain_times,
         "replay_s": replay_seconds,

@@ -21,6 +21,8 @@ def test_replaying_the_logged_updates_brings_an_old_shard_copy_to_the_newest_ste
     for r in result["ranks"]:
         assert (r["from_step"], r["to_step"], r["updates_logged"]) == (2, 5, 3), r
         assert r["whole"]["bitwise"] and r["halves"]["bitwise"], r
+        # The recipe's warm-up raised the learning rate every step, and the log has each step's.
+        assert r["lr_logged"] == sorted(set(r["lr_logged"])) and len(r["lr_logged"]) == 3, r
         short = r["one_short"]
         assert not short["bitwise"] and not short["step_counts_equal"], short
         assert all(n > 0 for n in short["mismatching_elements"].values()), short

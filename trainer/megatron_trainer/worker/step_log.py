@@ -96,7 +96,8 @@ def replay(
     another step than the rest), its groups the logged hyperparameters, and it steps. The groups'
     hyperparameters are put back afterwards and the gradients dropped. The model's own parameters
     are not touched: Megatron copies the main parameters into them (and all-gathers them) at its
-    next step, or the caller does.
+    next step, or the caller does. A :class:`StepLog` open on ``optimizer`` would log the replayed
+    updates too: close it first.
 
     Raises:
         ValueError: an update does not fit the optimizer (another model, parallelism or grouping).
