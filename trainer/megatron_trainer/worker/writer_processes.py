@@ -15,6 +15,11 @@ agent and from its peers until the write ended.
 The queue handed to Megatron carries the results pickled to bytes, so the manager never unpickles
 a torch object: it does not import torch (Megatron's own manager did, on the first save: ~500 MB
 and seconds of a save's time). torch-free: the spawned manager imports this module.
+
+The manager listens on a Linux abstract socket, which is no file: by default it would make a
+``pymp-*`` folder in the temporary directory for its socket, and a manager killed with its worker
+never removes it (a SIGKILLed worker left one each, in the pod's ``/tmp``). Connections are
+authenticated with the worker's authkey, as with the default address.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import pickle
 import queue
+import secrets
 import signal
 import stat
 from collections.abc import Iterator
@@ -58,7 +64,8 @@ def results_queue() -> Any:
     """
     global _manager, _queue
     if _manager is None:
-        _manager = SyncManager(ctx=get_context("spawn"))
+        address = f"\0megatron-writer-results-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file
+        _manager = SyncManager(address=address, ctx=get_context("spawn"))
         _manager.start(initializer=die_with_parent)
         _queue = BytesQueue(_manager.Queue())
     return _queue
