@@ -15,8 +15,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_benchmark(script: str, out: Path, *args: str, cpu: bool = False, timeout: float = 540) -> Any:
     """Run ``benchmarks/<script>`` with ``args`` and ``--out out``; fail with its output when it
-    fails; return what it wrote. ``cpu`` hides any GPU (gloo processes)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
+    fails; return what it wrote. ``cpu`` hides any GPU (gloo processes).
+
+    The benchmark's temporary files (the work folders it keeps for a reader, those of the processes it
+    kills) go beside ``out`` (in pytest's ``tmp_path``, which pytest prunes), not into ``/tmp``."""
+    tmp = out.parent / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "TMPDIR": str(tmp),
+        **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}),
+    }
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *args, "--out", str(out)],
         cwd=REPO,
