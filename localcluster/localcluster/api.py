@@ -2,15 +2,13 @@
 
 The node agent needs only get/list/patch/delete and a watch stream, and must not depend on the
 (large, often-changing) generated client, so this speaks plain JSON over HTTPS with the admin
-certificate of a kubeconfig.
+certificate of a kubeconfig that names its certificate files (as the local cluster's does).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import ssl
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,7 +29,7 @@ class ApiError(RuntimeError):
 
 
 class KubeApi:
-    """JSON over HTTPS to the server of a kubeconfig with embedded client certificates."""
+    """JSON over HTTPS to the server of a kubeconfig whose certificates and key are files."""
 
     def __init__(self, kubeconfig: Path) -> None:
         config = yaml.safe_load(Path(kubeconfig).read_text())
@@ -40,14 +38,13 @@ class KubeApi:
         cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == ctx["cluster"])
         user = next(u["user"] for u in config["users"] if u["name"] == ctx["user"])
         self.server = cluster["server"]
-        self._tmp = tempfile.TemporaryDirectory(prefix="kubeapi-")
-        files = {}
-        for key in ("certificate-authority-data", "client-certificate-data", "client-key-data"):
-            path = Path(self._tmp.name) / key
-            path.write_bytes(base64.b64decode(cluster.get(key) or user[key]))
-            files[key] = str(path)
-        self.ssl = ssl.create_default_context(cafile=files["certificate-authority-data"])
-        self.ssl.load_cert_chain(files["client-certificate-data"], files["client-key-data"])
+        wanted = (("certificate-authority", cluster), ("client-certificate", user), ("client-key", user))
+        missing = [key for key, entry in wanted if key not in entry]
+        if missing:
+            names = ", ".join(missing)
+            raise ValueError(f"{kubeconfig}: {names} missing (certificate files are needed, not embedded data)")
+        self.ssl = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        self.ssl.load_cert_chain(user["client-certificate"], user["client-key"])
 
     def request(self, method: str, path: str, body: Any = None, *, patch: str = "merge", timeout: float = 10) -> Any:
         """Call the API; return the decoded JSON body. Raises ApiError on a non-2xx status."""

@@ -8,7 +8,6 @@ them to Running with a loopback pod IP. Every process starts in its own session 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -376,21 +375,23 @@ class LocalCluster:
         return status == 200
 
     def _write_kubeconfig(self) -> None:
+        # The certificates and key are named by path, not embedded: a client given embedded data
+        # (the kubernetes package, kopf through it) writes it to temporary files of its own, which
+        # a killed process never removes.
         c = self._pki()
-
-        def b64(p: Path) -> str:
-            return base64.b64encode(p.read_bytes()).decode()
-
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [
-                {"name": "local", "cluster": {"server": self.server, "certificate-authority-data": b64(c.ca_crt)}}
+                {"name": "local", "cluster": {"server": self.server, "certificate-authority": str(c.ca_crt.resolve())}}
             ],
             "users": [
                 {
                     "name": "admin",
-                    "user": {"client-certificate-data": b64(c.admin_crt), "client-key-data": b64(c.admin_key)},
+                    "user": {
+                        "client-certificate": str(c.admin_crt.resolve()),
+                        "client-key": str(c.admin_key.resolve()),
+                    },
                 }
             ],
             "contexts": [{"name": "local", "context": {"cluster": "local", "user": "admin"}}],

@@ -57,9 +57,6 @@ class OperatorProcess:
             "MEGATRON_OPERATOR_REPORT_PORT": str(self.port),
             "MEGATRON_OPERATOR_LEADER_ELECTION": "false",
             "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(cluster.workdir)),
-            # The kubernetes client writes the kubeconfig's certificates and key to temporary files,
-            # which a killed operator never removes: into the cluster's folder, not /tmp.
-            "TMPDIR": str(cluster.workdir / "operator-tmp"),
         }
         if metrics_port is not None:
             self.env["MEGATRON_OPERATOR_METRICS_PORT"] = str(metrics_port)
@@ -67,7 +64,6 @@ class OperatorProcess:
 
     def start(self) -> OperatorProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        Path(self.env["TMPDIR"]).mkdir(exist_ok=True)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "megatron_operator"],

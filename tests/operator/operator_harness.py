@@ -81,9 +81,6 @@ class OperatorProcess:
             "MEGATRON_OPERATOR_RESYNC_SECONDS": "1",
             "MEGATRON_OPERATOR_PUSH_TIMEOUT_SECONDS": "2",
             "MEGATRON_OPERATOR_TOKEN_KEY_FILE": str(token_key_file(kubeconfig.parent)),
-            # The kubeconfig's certificates and key, which the kubernetes client writes to temporary
-            # files, stay out of /tmp when the operator is killed (the test's folder is pytest's).
-            "TMPDIR": str(log_path.parent / "operator-tmp"),
             **({"MEGATRON_OPERATOR_IDENTITY": identity} if identity else {}),
             **env,
         }
@@ -94,7 +91,6 @@ class OperatorProcess:
         return f"http://127.0.0.1:{self.report_port}"
 
     def start(self) -> OperatorProcess:
-        Path(self.env["TMPDIR"]).mkdir(exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_operator"],
