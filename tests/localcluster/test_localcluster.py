@@ -1,6 +1,9 @@
 """The local control plane itself: a start brings up a working API server with fake GPU nodes
 that schedule and run GPU pods, a stop leaves no process and frees the port; a taken port and a
-failed build are reported clearly; the CLI's up/down round trip; nodes can be made NotReady."""
+failed build are reported clearly; the CLI's up/down round trip; nodes can be made NotReady; its
+kubeconfig names certificate files, so a client of it (the kubernetes package, which the operator
+logs in with) writes no temporary copies of them, where one with the same certificates embedded
+does (a killed process never removes them)."""
 
 from __future__ import annotations
 
@@ -50,6 +53,51 @@ def test_node_can_be_made_not_ready_and_ready_again(local_cluster: LocalCluster)
     assert not local_cluster.node_ready(name)
     local_cluster.set_node_ready(name, True)
     assert local_cluster.node_ready(name)
+
+
+_LIST_NAMESPACES = """
+import sys, time
+from kubernetes import client, config
+api = client.CoreV1Api(config.new_client_from_config(sys.argv[1]))
+print(len(api.list_namespace().items), flush=True)
+time.sleep(60)
+"""
+
+
+def _client_leaves(kubeconfig: Path, tmp: Path) -> list[str]:
+    """What a kubernetes client of ``kubeconfig`` that is killed once it has listed the namespaces
+    leaves in its temporary directory ``tmp`` (one that exits removes its temporary files)."""
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-c", _LIST_NAMESPACES, str(kubeconfig)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip().isdigit(), proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return sorted(p.name for p in tmp.iterdir())
+
+
+def test_a_client_of_the_kubeconfig_leaves_no_temporary_files(local_cluster: LocalCluster, tmp_path: Path) -> None:
+    import base64
+
+    import yaml
+
+    assert _client_leaves(local_cluster.kubeconfig, tmp_path / "files") == []
+    # The same identity embedded, as kubeconfigs often carry it: the client writes it out (the test
+    # above could not pass by a client that never writes).
+    config = yaml.safe_load(local_cluster.kubeconfig.read_text())
+    for entry, keys in (
+        (config["clusters"][0]["cluster"], ["certificate-authority"]),
+        (config["users"][0]["user"], ["client-certificate", "client-key"]),
+    ):
+        for key in keys:
+            entry[f"{key}-data"] = base64.b64encode(Path(entry.pop(key)).read_bytes()).decode()
+    embedded = tmp_path / "embedded"
+    embedded.write_text(yaml.safe_dump(config))
+    assert _client_leaves(embedded, tmp_path / "data") != []
 
 
 def test_stop_leaves_no_process_and_frees_the_port() -> None:
