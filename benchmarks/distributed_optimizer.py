@@ -6,17 +6,18 @@ Two GPUs (the first two of ``--gpus``): pods a and b train (TP 1, DP 2, one GPU 
 distributed optimizer, an asynchronous checkpoint every ``--checkpoint-interval`` steps). In order:
 
 1. steady: ``--rounds`` rounds of an epoch without buddy copies and one with copies for each of
-   ``--steady-intervals`` (refreshed every so many steps; default ``--replica-interval``), switched
-   at step boundaries, every other round in reverse order, ``--steps`` timed steps each (a whole
-   number of intervals, more when an interval needs it): the wall time per step of each and the
-   copies' overhead at each interval. An epoch's first ``SKIP`` steps and its first refresh are left
-   out: they are paid once an epoch (the first step's own costs; the first refresh also connects the
-   pair's transfers), and are printed from the workers' logs with where each refresh's time went
-   (worker/refresh_times.py). The wall time includes what a refresh blocks between steps, which the
-   workers' own step time does not. Each round's arms are also compared with that round's no-copies
-   epoch (``overhead_percent_by_round``, and by the workers' median step): no-copies epochs more
-   than ``NOISY_PERCENT`` apart are flagged as a noisy host, whose slow epoch the averaged overheads
-   would hide;
+   ``--steady-intervals`` (refreshed every so many steps; default ``--replica-interval``) and each of
+   ``--steady-budgets`` (``replicaCostPercent``: the workers calibrate, agree on an interval, and the
+   timed steps start after that), switched at step boundaries, every other round in reverse order,
+   ``--steps`` timed steps each (a whole number of intervals, more when an interval needs it): the
+   wall time per step of each and the copies' overhead at each interval or budget. An epoch's
+   first ``SKIP`` steps and its first refresh are left out: they are paid once an epoch (the first
+   step's own costs; the first refresh also connects the pair's transfers), and are printed from
+   the workers' logs with where each refresh's time went (worker/refresh_times.py). The wall time
+   includes what a refresh blocks between steps, which the workers' own step time does not. Each
+   round's arms are also compared with that round's no-copies epoch (``overhead_percent_by_round``,
+   and by the workers' median step): no-copies epochs more than ``NOISY_PERCENT`` apart are
+   flagged as a noisy host, whose slow epoch the averaged overheads would hide;
 2. shrink in memory: b is SIGKILLed mid-step; a goes on alone (DP 2 -> 1) with its own shard and
    the copy of b's it keeps, as the operator's planner says with in-memory restore on: kill -> a's
    first step, and the steps redone;
@@ -65,6 +66,7 @@ from megatron_contract.job import CheckpointSpec, MegatronJobSpec  # noqa: E402
 from megatron_contract.mesh import MeshPlan, PlanReason, StateSource, StateSourceKind  # noqa: E402
 from megatron_trainer.channel import Hello, PhaseTimes, Progress  # noqa: E402
 from megatron_trainer.worker.checkpoint_files import newest_complete  # noqa: E402
+from megatron_trainer.worker.copy_schedule import CopySchedule  # noqa: E402
 from megatron_trainer.worker.refresh_times import logged  # noqa: E402
 from megatron_trainer.worker.settings import ENV_COPY_TRANSPORT  # noqa: E402
 
@@ -85,6 +87,19 @@ def main() -> int:
         type=lambda v: [int(n) for n in v.split(",")],
         default=None,
         help="intervals of the steady arms with copies, comma-separated (default: --replica-interval)",
+    )
+    parser.add_argument(
+        "--steady-budgets",
+        type=lambda v: [float(n) for n in v.split(",")],
+        default=[],
+        help="replicaCostPercent of steady arms with copies (at --replica-interval), comma-separated",
+    )
+    parser.add_argument(
+        "--replica-cost-percent",
+        type=float,
+        default=None,
+        help="the spec's replicaCostPercent, for the failures after the steady arms (their kill waits for the "
+        "interval to be agreed)",
     )
     parser.add_argument("--checkpoint-interval", type=int, default=10)
     parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds (the job's)")
@@ -112,6 +127,8 @@ def main() -> int:
     intervals = args.steady_intervals or [args.replica_interval]
     if min(intervals) < 1 or args.steps < 1:
         parser.error("intervals and --steps are at least 1")
+    if any(not 0 < b <= 100 for b in [*args.steady_budgets, args.replica_cost_percent or 1]):
+        parser.error("budgets are percentages in (0, 100]")
     gpu = torch.cuda.is_available()
     if gpu and torch.cuda.device_count() < 2:
         parser.error(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
@@ -163,6 +180,21 @@ def main() -> int:
     def pod_log(pod: str) -> str:
         return cluster.pods[pod][0].log_path.read_text(errors="replace")
 
+    def agreed(epoch: int, first: int, interval: int, budget: float) -> dict[str, Any]:
+        """Wait for ``epoch``'s workers to agree on their refresh interval (worker/copy_schedule.py);
+        pod a's log line of it: the interval agreed, the step it holds from, and what a measured."""
+        at = CopySchedule(interval, budget, first).agree_at
+        assert at is not None
+        cluster.wait_steps(["a", "b"], at + 1, timeout=900)
+        pattern = (
+            rf"epoch {epoch} rank 0: buddy copies every (\d+) steps from step (\d+) \(agreed; this rank proposed "
+            rf"(\d+): a refresh cost ([\d.]+) s beside a ([\d.]+) s step"
+        )
+        found = re.search(pattern, pod_log("a"))
+        assert found, f"pod a logged no agreed interval in epoch {epoch}"
+        keys = ("interval", "from_step", "proposed_by_a", "cost_s_by_a", "clear_step_s_by_a")
+        return {k: (float(v) if "_s_" in k else int(v)) for k, v in zip(keys, found.groups(), strict=True)}
+
     def restored(epoch: int) -> dict[str, int]:
         """The step pod a restored its shards at in ``epoch`` (agreed at runtime), the steps redone."""
         found = re.search(
@@ -188,29 +220,39 @@ def main() -> int:
         plan = assign(cluster.plan(["a", "b"], buddies=True), ["a", "b"])
         cluster.wait_steps(["a", "b"], 1, timeout=600)
 
-        # 1. Steady state: epochs without copies and with copies at each interval, alternating.
-        kinds = ["none", *(f"copies every {n}" for n in intervals)]
+        # 1. Steady state: epochs without copies and with copies at each interval or budget, alternating.
+        budgets = args.steady_budgets
+        kinds = ["none", *(f"copies every {n}" for n in intervals), *(f"copies within {b:g} %" for b in budgets)]
+        settings = [(0, None), *((n, None) for n in intervals), *((args.replica_interval, b) for b in budgets)]
         medians: dict[str, list[float]] = {k: [] for k in kinds}
         walls: dict[str, list[float]] = {k: [] for k in kinds}
         memory: dict[str, list[int]] = {}  # the peak memory used on each GPU (MiB), by arm
         windows: dict[str, list[tuple[int, int]]] = {k: [] for k in kinds}  # steps whose boundaries were timed
-        rare = [k for n, k in zip(intervals, kinds[1:], strict=True) if n >= PAIRED_MIN]
-        paired: dict[str, list[dict[str, float]]] = {k: [] for k in rare}  # refresh_cost, epoch by epoch
+        paired: dict[str, list[dict[str, float]]] = {}  # refresh_cost, epoch by epoch (refreshes >= PAIRED_MIN apart)
+        calibrated: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds[len(intervals) + 1 :]}
         arms: list[tuple[str, int]] = []  # (kind, epoch) of each steady epoch
         for round_ in range(args.rounds):
             # Every other round runs its arms in reverse (none, 1, 4 / 4, 1, none): a host that drifts
             # slower or faster over the minutes of the rounds then favours no arm.
-            order = list(zip(kinds, [0, *intervals], strict=True))
-            for kind, interval in order if round_ % 2 == 0 else order[::-1]:
+            order = list(zip(kinds, settings, strict=True))
+            for kind, (interval, budget) in order if round_ % 2 == 0 else order[::-1]:
                 start = boundary(["a", "b"], 2)
                 plan = cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=interval > 0)
                 if plan.optimizer_state is not None:
-                    state = plan.optimizer_state.model_copy(update={"replica_interval_steps": interval})
+                    state = plan.optimizer_state.model_copy(
+                        update={"replica_interval_steps": interval, "replica_cost_percent": budget}
+                    )
                     plan = plan.model_copy(update={"optimizer_state": state})
                 assign(plan, ["a", "b"])
-                measured = -(-args.steps // max(interval, 1)) * max(interval, 1)  # whole intervals
-                # The first refresh starts within an interval and ends by the next step boundary.
-                warm = start + SKIP + (interval + 1 if interval else 0)
+                if budget is None:
+                    every = interval
+                    # The first refresh starts within an interval and ends by the next step boundary.
+                    warm = start + SKIP + (interval + 1 if interval else 0)
+                else:  # timed once the interval is agreed, past its first refresh
+                    calibrated[kind].append(agreed(plan.epoch, start, interval, budget))
+                    every = calibrated[kind][-1]["interval"]
+                    warm = calibrated[kind][-1]["from_step"] + every + 1
+                measured = -(-args.steps // max(every, 1)) * max(every, 1)  # whole intervals
                 cluster.wait_steps(["a", "b"], warm, timeout=900)
                 began = time.monotonic()
                 with GpuMemory() as used:
@@ -220,15 +262,21 @@ def main() -> int:
                 arms.append((kind, plan.epoch))
                 memory[kind] = [max(m, u) for m, u in zip(memory.get(kind, used.peak), used.peak, strict=True)]
                 medians[kind].append(statistics.median(step_times(plan.epoch, ["a", "b"])))
-                if kind in paired:
+                if every >= PAIRED_MIN:
                     after = {n: t for n, t in steps_of(plan.epoch, ["a", "b"]).items() if n > warm}
-                    paired[kind].append(refresh_cost(after, interval))
+                    paired.setdefault(kind, []).append(refresh_cost(after, every))
                 log(f"steady epoch {plan.epoch} ({kind}): {walls[kind][-1]:.3f} s a step (wall)")
         # The failure below finds copies every --replica-interval steps (the spec's); the switch also
         # ends the last steady epoch, whose workers then log its refreshes' times.
         start = boundary(["a", "b"], 2)
         plan = assign(cluster.plan(["a", "b"], resume_step=start, reason=PlanReason.MIGRATE, buddies=True), ["a", "b"])
         cluster.wait_steps(["a", "b"], start + SKIP, timeout=900)
+        failure_interval = None
+        if args.replica_cost_percent is not None:  # the failure lands past the calibration
+            failure_interval = agreed(plan.epoch, start, args.replica_interval, args.replica_cost_percent)
+            result["failure_interval"] = failure_interval
+            past = failure_interval["from_step"] + 2 * failure_interval["interval"]
+            cluster.wait_steps(["a", "b"], past, timeout=900)
         without = statistics.median(walls["none"])
         # Each round's arms against that round's no-copies epoch: a host that slows one whole epoch
         # (seen on shared GPU machines) shows as rounds that disagree, not as a quiet average.
@@ -270,6 +318,8 @@ def main() -> int:
                 "paired_refresh_cost_percent": {
                     k: round(statistics.median(r["percent"] for r in rows), 2) for k, rows in paired.items() if rows
                 },
+                # with a budget: each epoch's agreed interval and what pod a measured calibrating
+                "calibrated": calibrated,
                 # per epoch with copies and pod: the first refresh's times, the others' medians
                 "refresh_times": {
                     f"{kind} (epoch {epoch})": {pod: refresh_times(pod_log(pod), epoch) for pod in ("a", "b")}
@@ -408,6 +458,7 @@ def refresh_cost(times: dict[int, float], interval: int) -> dict[str, float]:
         "clear_s": round(off, 4),
         "cost_s": round(on - off, 4),
         "percent": _overhead(on, off),
+        "percent_a_step_at_interval": round((on - off) / off * 100 / interval, 2),  # the cost spread over its steps
         "steps_beside": len(beside),
         "steps_clear": len(clear),
     }
@@ -473,6 +524,8 @@ def _distributed(spec: MegatronJobSpec, args: argparse.Namespace, workdir: Path)
         print(f"recipe: {RECIPE['lr_schedule'].to_wire()}, optimizer {RECIPE['optimizer'].to_wire()}", flush=True)
     wire = spec.to_wire()
     wire["training"]["optimizer"].update({"distributed": True, "replicaIntervalSteps": args.replica_interval})
+    if args.replica_cost_percent is not None:
+        wire["training"]["optimizer"]["replicaCostPercent"] = args.replica_cost_percent
     root = args.checkpoint_dir or workdir / "checkpoints"
     wire["checkpoint"] = CheckpointSpec(path=str(root), interval_steps=args.checkpoint_interval).to_wire()
     return MegatronJobSpec.model_validate(wire)

@@ -234,6 +234,17 @@ class OptimizerSpec(WireModel):
         "at dp 2, one GPU a pod); the "
         "HostMemoryShort condition compares it with the trainer container's memory request.",
     )
+    replica_cost_percent: float | None = Field(
+        default=None,
+        gt=0,
+        le=100,
+        description="With distributed: the most the buddy copies' refreshes may cost the training steps, in percent "
+        "of the step time. At each epoch's start the workers measure what a refresh costs the steps beside it (four "
+        "refreshes, four steps apart: about 18 steps, in which a failure redoes up to 3) and then refresh every N "
+        "steps, N the fewest that keep within it, never fewer than replicaIntervalSteps (all ranks agree on the "
+        "largest N any of them needs); a failure then redoes up to N-1 steps. Unset: every replicaIntervalSteps "
+        "steps, whatever that costs.",
+    )
 
 
 class LrDecayStyle(enum.StrEnum):

@@ -288,6 +288,13 @@ class OptimizerStatePlan(OpenWireModel):
     replica_interval_steps: int = Field(
         default=1, ge=1, description="Steps between refreshes of the host copies (spec optimizer.replicaIntervalSteps)."
     )
+    replica_cost_percent: float | None = Field(
+        default=None,
+        gt=0,
+        le=100,
+        description="The refreshes' cost budget in percent of the step time (spec optimizer.replicaCostPercent): "
+        "the workers then refresh every N >= replicaIntervalSteps steps, N measured and agreed at the epoch's start.",
+    )
     buddies: bool = Field(
         default=False,
         description="Every rank keeps a host copy of its shard with its buddy (MeshPlan.buddy_of), on another pod.",

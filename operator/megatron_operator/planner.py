@@ -530,6 +530,8 @@ def _build(
         sources, optimizer_state, resume_step = _with_optimizer_shards(
             spec, sizes, members, previous, sources, resume_step, checkpoint_step, previous_trained, copies
         )
+        if (budget := spec.training.optimizer.replica_cost_percent) is not None:
+            optimizer_state = optimizer_state.model_copy(update={"replica_cost_percent": budget})
     elif previous is not None and sources.default is not StateSourceKind.SELF:
         # Some shard is held by nobody: everyone restarts from the checkpoint step (or from 0).
         resume_step = sources.checkpoint_step or 0

@@ -8,7 +8,8 @@ Scenarios:
 - trainers without in-memory restore reload the checkpoint whenever a shard moves, and are asked
   for no copies; the trainers restore dense models without context parallelism in memory, the
   others (experts, cp > 1) reload;
-- one pod: no buddy on another pod, no copies.
+- one pod: no buddy on another pod, no copies; the copies' cost budget is in every plan of a job
+  that sets one;
 - property (hypothesis), over meshes (tp, pp, cp, ep, gpus per pod, pods): the buddy assignment is
   a permutation (every rank keeps one copy, every pod gpusPerPod copies), deterministic, puts
   every buddy on another pod (losing one pod never loses both copies of a shard) and, with two
@@ -100,6 +101,19 @@ def test_a_replaced_pod_takes_its_shards_from_its_buddies_copies() -> None:
     assert [o.holder_rank for o in new.optimizer_sources_of(0)] == [2]
     assert new.optimizer_sources_of(2)[0].copy is None  # its own GPU
     assert {s.kind for s in new.sources()} == {StateSourceKind.SELF, StateSourceKind.PEER}  # parameters
+
+
+def test_the_copies_cost_budget_travels_in_every_plan_of_the_job() -> None:
+    wire = distributed_spec(replicas=2, spares=1).to_wire()
+    wire["training"]["optimizer"]["replicaCostPercent"] = 2.5
+    spec = MegatronJobSpec.model_validate(wire)
+    pods = make_pod_refs(3)
+    plan = _initial(spec, pods[:2])
+    assert plan.optimizer_state is not None and plan.optimizer_state.replica_cost_percent == 2.5
+    new = _replace(spec, plan, pods, ["p0"], {"p1": [20], "p2": []})
+    assert new.optimizer_state is not None and new.optimizer_state.replica_cost_percent == 2.5
+    plain = _initial(distributed_spec(replicas=2), pods[:2])
+    assert plain.optimizer_state is not None and plain.optimizer_state.replica_cost_percent is None
 
 
 def test_copies_newer_than_the_lagging_reports_are_taken_with_nothing_redone() -> None:

@@ -19,15 +19,19 @@ Scenarios (marked slow; each about a minute on 2 shared CPU cores):
 
 Buddy copies (two agents, one real worker each, the distributed optimizer, a plan with buddies):
 each pod's heartbeats report the steps of the copies its worker holds, newest first, at most two,
-the newest one or two steps behind the pod's last (every step is refreshed).
+the newest one or two steps behind the pod's last (every step is refreshed). With a cost budget
+(``replicaCostPercent``) both pods' metrics give the one interval their workers agreed on, and the
+share of step time it costs by each worker's calibration, within the budget.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -177,8 +181,12 @@ def test_spare_replaces_a_failed_worker(case: Case, operator: RecordingOperator,
         wait_for(lambda: all(process_gone(pid) for pid in orphans), 60, "C's workers to exit after their agent")
 
 
-def test_heartbeats_report_the_buddy_copies_the_workers_hold(operator: RecordingOperator, tmp_path: Path) -> None:
-    iters = 40
+@contextlib.contextmanager
+def _two_pods_with_copies(
+    operator: RecordingOperator, tmp_path: Path, iters: int, cost_percent: float | None = None
+) -> Iterator[tuple[AgentProcess, AgentProcess]]:
+    """Two agents of one real worker each, training with the distributed optimizer and buddy copies
+    (every step, or under ``cost_percent``), until the block ends."""
     wire = make_spec(replicas=2, spares=0, global_batch=4, train_iters=iters, heartbeat_interval=0.2).to_wire()
     wire["training"]["optimizer"]["distributed"] = True
     wire["checkpoint"] = {"path": str(tmp_path / "ckpt"), "intervalSteps": 1000}
@@ -192,11 +200,16 @@ def test_heartbeats_report_the_buddy_copies_the_workers_hold(operator: Recording
         for agent in (a, b):
             agent.wait_ready(READY_TIMEOUT)
         plan = make_plan(spec, [a.pod, b.pod], epoch=1, store=a.pod)
-        buddies = OptimizerStatePlan(buddies=True, source=OptimizerSourceKind.INIT)
+        buddies = OptimizerStatePlan(buddies=True, source=OptimizerSourceKind.INIT, replica_cost_percent=cost_percent)
         changes = {"default_source": StateSourceKind.INIT, "state_sources": [], "optimizer_state": buddies}
         plan = MeshPlan.model_validate(plan.model_dump() | changes)
         for agent in (a, b):
             assert agent.post_plan(plan)[0] == 200
+        yield a, b
+
+
+def test_heartbeats_report_the_buddy_copies_the_workers_hold(operator: RecordingOperator, tmp_path: Path) -> None:
+    with _two_pods_with_copies(operator, tmp_path, iters=40):
         for pod in ("pod-a", "pod-b"):
             operator.wait_report(pod, lambda r: bool(r.replica_steps) and (r.step or 0) >= 10, 180, "copies")
     for pod in ("pod-a", "pod-b"):
@@ -208,3 +221,23 @@ def test_heartbeats_report_the_buddy_copies_the_workers_hold(operator: Recording
             # Each step's refresh finishes after the next step (or once the job ended), and the worker
             # tells of it after that step's progress: a report may fall in between.
             assert r.replica_steps[0] in (r.step - 2, r.step - 1, r.step), (pod, r.step, r.replica_steps)
+
+
+def _gauge(metrics: str, name: str) -> float | None:
+    found = [float(line.split()[1]) for line in metrics.splitlines() if line.startswith(f"{name} ")]
+    return found[0] if found else None
+
+
+def test_under_a_cost_budget_the_pods_export_the_interval_their_workers_agreed_on(
+    operator: RecordingOperator, tmp_path: Path
+) -> None:
+    with _two_pods_with_copies(operator, tmp_path, iters=60, cost_percent=50) as pods:
+        # Calibrated over steps 4-20, agreed at step 20 (worker/copy_schedule.py).
+        for pod in ("pod-a", "pod-b"):
+            operator.wait_report(pod, lambda r: (r.step or 0) >= 24, 180, "training past the calibration")
+        metrics = [agent.metrics() for agent in pods]
+    intervals = [_gauge(m, "megatron_agent_buddy_copy_interval_steps") for m in metrics]
+    costs = [_gauge(m, "megatron_agent_buddy_copy_cost_ratio") for m in metrics]
+    assert intervals[0] is not None and intervals[0] >= 1 and intervals[0] == intervals[1], intervals
+    # Each pod's worker needed at most the agreed interval, so its own cost at it is within budget.
+    assert all(c is not None and 0 <= c <= 0.5 + 1e-9 for c in costs), costs

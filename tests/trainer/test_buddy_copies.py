@@ -6,7 +6,8 @@ step 3 is started (in step 1's buffers) and, while in flight, the complete copy 
 of step 2 (every rank's own snapshot and its ward's copy hold that step's values), step 3 is not
 yet a copy and a second refresh is refused; asked without waiting (``poll``), it is done once its
 transfers are; then steps 3 and 2 are kept and step 1 is gone (two generations); the next epoch's
-copies refresh into those host buffers (``recycled``), not new ones. Bad buddy
+copies refresh into those host buffers (``recycled``), not new ones, and while their first refresh
+is in flight all ranks agree on the largest of their values (``agree``). Bad buddy
 assignments are refused without processes.
 
 Two processes on their own gloo pair links, as the training loop makes them: a ward that dies
@@ -206,6 +207,8 @@ except KeyError:
 kept = {t.data_ptr() for own, theirs in copies.buffers() for t in (*own, *theirs)}
 copies = BuddyCopies(rank, buddies[rank], ward, links=copies._links, recycled=copies.buffers())
 copies.start_refresh(20, shards(rank, 20, device))
+# The ranks agree on the largest of their values, a refresh in flight (on GPU queued after it).
+out["agreed_the_largest"] = copies.agree(10 + rank, stop=lambda: False) == 10 + world - 1
 copies.finish_refresh()
 out["recycled"] = all(t.data_ptr() in kept for t in (*copies.own(20), *copies.ward_copy(20))) and holds(20)
 if backend == "nccl":  # a refresh frees its GPU memory when it is done, not when a collector runs
@@ -240,6 +243,7 @@ _EVERY_RANK_SEES = {
     "holds_3_and_2": True,
     "step_1": "gone",
     "recycled": True,
+    "agreed_the_largest": True,
 }
 
 

@@ -1,7 +1,8 @@
 """``benchmarks/distributed_optimizer.py`` on CPU processes with gloo at a tiny model size: the
-steady arms (no copies, copies every 1 and every 3 steps, two rounds, each compared with its round's
-no-copies epoch), the shrink that takes the lost shard from the survivor's buddy copy, the growth
-that reshards it, the same shrink from the newest checkpoint, and every step's samples."""
+steady arms (no copies, copies every 1 and every 3 steps, copies within a 50 % cost budget, two
+rounds, each compared with its round's no-copies epoch), the shrink that takes the lost shard from
+the survivor's buddy copy (with the budget too, so after an agreed interval), the growth that
+reshards it, the same shrink from the newest checkpoint, and every step's samples."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_checkpoint(tmp_path: Path) -> None:
     args = ("--gpus", "2", "--global-batch", "4", "--steps", "2", "--rounds", "2", "--steady-intervals", "1,3")
+    args += ("--steady-budgets", "50", "--replica-cost-percent", "50")
     result = run_benchmark(
         "distributed_optimizer.py", tmp_path / "distopt.json", *args, "--checkpoint-interval", "6", *TINY, cpu=True
     )
     steady = result["steady"]
-    arms = ["copies every 1", "copies every 3"]
+    arms = ["copies every 1", "copies every 3", "copies within 50 %"]
     assert all(len(steady["epoch_wall_s_per_step"][k]) == 2 for k in ["none", *arms])
     for kind in arms:
         walls, without = steady["epoch_wall_s_per_step"][kind], steady["epoch_wall_s_per_step"]["none"]
@@ -30,15 +32,19 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
         assert steady["overhead_percent_by_round"][kind] == want
         assert len(steady["median_step_overhead_percent_by_round"][kind]) == 2
     assert steady["no_copies_spread_percent"] >= 0
+    # The budget's epochs calibrated, then agreed on an interval they were timed at.
+    calibrated = steady["calibrated"]["copies within 50 %"]
+    assert len(calibrated) == 2 and all(c["interval"] >= c["proposed_by_a"] >= 1 for c in calibrated), calibrated
     # The rare refreshes' epochs also compare the steps beside a refresh with the others.
-    assert list(steady["paired_refresh_cost"]) == ["copies every 3"]
+    budget_rare = any(c["interval"] >= 3 for c in calibrated)
+    assert set(steady["paired_refresh_cost"]) == {"copies every 3", *(["copies within 50 %"] if budget_rare else [])}
     for row in steady["paired_refresh_cost"]["copies every 3"]:
         assert row["steps_beside"] >= 1 and row["steps_clear"] >= 1, row
         assert row["cost_s"] == pytest.approx(row["beside_s"] - row["clear_s"], abs=2e-4)
     # The second round runs its arms in reverse: a drifting host favours no arm.
     assert steady["arms_in_order"] == ["none", *arms, *arms[::-1], "none"]
     # Every epoch with copies logged its refreshes, each moving both shards into host memory.
-    assert len(steady["refresh_times"]) == 4
+    assert len(steady["refresh_times"]) == 6
     for pods in steady["refresh_times"].values():
         assert all(pods[p]["first"]["bytes_to_host"] > 0 for p in ("a", "b"))
 
@@ -49,6 +55,8 @@ def test_two_processes_measure_the_copies_then_recover_from_them_and_from_the_ch
     # a's own from its GPU, or from its own snapshot when the copies' step is older than a's.
     assert copies.get(0, ("a", False)) == ("a", False) and set(copies) <= {0, 1}, copies
     assert 0 <= shrink["steps_redone"] <= shrink["steps_redone_planned"] and shrink["kill_to_first_step_s"] > 0
+    # Copies every N agreed steps: the newest complete one at most two intervals old.
+    assert shrink["steps_redone"] <= 2 * result["failure_interval"]["interval"], (shrink, result["failure_interval"])
     grow = result["grow_in_memory"]
     assert grow["steps_redone"] == 0 and grow["restored_step"] == grow["boundary"]
     assert grow["phases_by_pod"]["c"]["restore"] > 0  # the newcomer's shard resharded from a's

@@ -25,10 +25,19 @@ the tiny steps on shared cores may otherwise end it before its buddy posted the 
 step is far longer than that). The survivors leave the epoch and report the failed collective
 (nothing hangs on the copies); before that each says it holds the copies of step 3 too, the
 ward's copy having arrived: no completed step is lost.
+
+Fourth scenario (three pods of one worker, interval 1, ``replicaCostPercent`` 50): the epoch
+calibrates first (refreshes after steps 4, 8, 12 and 16 only), a DELAY fault on one rank making each
+step beside such a refresh 0.4 s longer, then every rank proposes an interval and all adopt the
+largest: each logs the same agreed interval, at least 2 (0.4 s a refresh cannot fit in half of any
+step of this tiny model), which is the fewest steps its own measurements allow; the copies held
+after the agreement are of its multiples only; the losses equal a run without copies.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -37,7 +46,7 @@ from worker_harness import MakeCluster, WorkerCluster, fault_env, make_spec, wai
 
 from megatron_contract.job import CheckpointSpec, MegatronJobSpec
 from megatron_contract.mesh import MeshPlan, PlanReason
-from megatron_trainer.channel import CollectiveFailed, ReplicaSteps
+from megatron_trainer.channel import CollectiveFailed, CopyInterval, ReplicaSteps
 from megatron_trainer.faults import Fault, FaultPlan, InjectionPoint
 from megatron_trainer.worker.buddy_copies import buddy_and_ward
 from megatron_trainer.worker.refresh_times import logged
@@ -53,7 +62,11 @@ MESHES = {"ring-dp3": (3, 1, 1, 1), "tp2-dp2": (2, 2, 2, 1), "pp2-dp1": (2, 1, 1
 
 
 def buddy_spec(
-    checkpoint: Path, interval: int = 1, train_iters: int = TRAIN_ITERS, mesh: tuple[int, int, int, int] = (3, 1, 1, 1)
+    checkpoint: Path,
+    interval: int = 1,
+    train_iters: int = TRAIN_ITERS,
+    mesh: tuple[int, int, int, int] = (3, 1, 1, 1),
+    cost_percent: float | None = None,
 ) -> MegatronJobSpec:
     """The mesh's replicas, the distributed optimizer (it needs a checkpoint path; saves are rarer
     than the job is long)."""
@@ -65,6 +78,8 @@ def buddy_spec(
     wire["model"]["numLayers"] = 2 * pp
     wire["training"]["globalBatchSize"] = 6
     wire["training"]["optimizer"].update({"distributed": True, "replicaIntervalSteps": interval})
+    if cost_percent is not None:
+        wire["training"]["optimizer"]["replicaCostPercent"] = cost_percent
     wire["checkpoint"] = CheckpointSpec(path=str(checkpoint), interval_steps=1000).to_wire()
     return MegatronJobSpec.model_validate(wire)
 
@@ -207,3 +222,49 @@ def test_a_pod_lost_during_a_refresh_loses_no_copy_it_sent_and_nothing_hangs(
         assert held == [(1, []), (1, [1]), (1, [2]), (1, [3, 2])], worker.name
         # Then it waits for the next plan (its status follows the report).
         wait_for(lambda w=worker: w.states()[-1] == "reconfiguring", 30, f"{worker.name} waiting for a plan")
+
+
+AGREED = re.compile(
+    r"epoch 1 rank (\d+): buddy copies every (\d+) steps from step 20 \(agreed; this rank proposed (\d+): a "
+    r"refresh cost ([\d.]+) s beside a ([\d.]+) s step, 4 refreshes measured, the longest ended after (\d+) steps; "
+    r"budget 50 %\)"
+)
+
+
+def test_with_a_cost_budget_the_ranks_calibrate_and_agree_on_one_interval(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    iters = 40
+    faults = FaultPlan()
+    for step in (4, 8, 12, 16):  # the steps that make counts 5, 9, 13 and 17: each beside a refresh
+        faults.fail_at(rank=1, step=step, fault=Fault.DELAY, seconds=0.4, point=InjectionPoint.DATA_READ)
+    spec = buddy_spec(tmp_path / "ckpt", train_iters=iters, cost_percent=50)
+    cluster = make_cluster(spec, tmp_path / "budget", fault_env(tmp_path, faults))
+    plan = train(cluster, PODS, buddies=True)
+    assert plan.optimizer_state is not None and plan.optimizer_state.replica_cost_percent == 50
+    without = make_cluster(buddy_spec(tmp_path / "ref-ckpt", train_iters=iters), tmp_path / "reference")
+    train(without, PODS, buddies=False)
+    assert cluster.losses(PODS) == without.losses(PODS), "the copies changed training"
+
+    found = {}
+    for worker in cluster.workers():
+        [match] = AGREED.findall(worker.log_path.read_text())
+        rank, agreed, proposed, cost, step, took = match
+        found[int(rank)] = (int(agreed), int(proposed))
+        # Its proposal is the fewest steps within budget by what it measured (logged rounded).
+        assert float(cost) >= 0.3, (worker.name, match)
+        by_cost = math.ceil(float(cost) / (0.5 * float(step)) - 1e-3)
+        assert int(proposed) in range(max(by_cost, int(took), 1), max(by_cost + 1, int(took), 1) + 1), match
+    agreed = {a for a, _ in found.values()}
+    assert len(agreed) == 1, found
+    [n] = agreed
+    assert n == max(p for _, p in found.values()) and n >= 2, found
+    for rank, worker in enumerate(cluster.workers()):
+        # Its agent hears of it too (for its metrics).
+        [told] = worker.of_type(CopyInterval)
+        assert (told.epoch, told.interval, told.from_step, told.proposed) == (1, n, 20, found[rank][1]), told
+        steps = {s for m in worker.of_type(ReplicaSteps) for s in m.steps}
+        assert {s for s in steps if s <= 20} <= {4, 8, 12, 16}, (worker.name, sorted(steps))
+        assert all(s % n == 0 for s in steps if s > 20), (worker.name, n, sorted(steps))
+        if 20 + n <= iters:
+            assert any(s > 20 for s in steps), (worker.name, n, sorted(steps))

@@ -138,6 +138,7 @@ def make_plan(
         state_sources = []  # the optimizer's source is the plan's, for every rank
         optimizer_state = OptimizerStatePlan(
             replica_interval_steps=spec.training.optimizer.replica_interval_steps,
+            replica_cost_percent=spec.training.optimizer.replica_cost_percent,
             buddies=True,
             source=OptimizerSourceKind.INIT if epoch == 1 else OptimizerSourceKind.SELF,
             previous_sizes=None if epoch == 1 else sizes,

@@ -114,6 +114,25 @@ class ReplicaSteps(WireModel):
         return steps
 
 
+class CopyInterval(WireModel):
+    """With a cost budget for the buddy copies (``replicaCostPercent``): the refresh interval every
+    rank of ``epoch`` agreed on, and what this worker measured calibrating it (worker/copy_schedule.py)."""
+
+    type: Literal["copy_interval"] = "copy_interval"
+    epoch: int = Field(ge=1)
+    interval: int = Field(ge=1, description="Steps between refreshes, from step from_step on.")
+    from_step: int = Field(ge=0)
+    proposed: int = Field(ge=1, description="The interval this worker needed (all adopt the largest).")
+    refresh_cost_seconds: float = Field(ge=0, description="What a refresh cost the steps beside it.")
+    clear_step_seconds: float = Field(ge=0, description="The median step clear of any refresh.")
+
+    @property
+    def cost_ratio(self) -> float:
+        """The share of step time the refreshes cost at the agreed interval, by these measurements."""
+        step = self.interval * self.clear_step_seconds
+        return self.refresh_cost_seconds / step if step > 0 else 0.0
+
+
 class PhaseTimes(WireModel):
     """Durations of one reconfiguration, in seconds (detect, abort, rendezvous, restore, first_step)."""
 
@@ -154,7 +173,8 @@ ToAgent = Annotated[
     | PhaseTimes
     | CollectiveFailed
     | Alive
-    | ReplicaSteps,
+    | ReplicaSteps
+    | CopyInterval,
     Field(discriminator="type"),
 ]
 _TO_WORKER: TypeAdapter[ToWorker] = TypeAdapter(ToWorker)

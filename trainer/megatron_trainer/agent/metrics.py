@@ -75,6 +75,16 @@ class AgentMetrics:
         self.worker_exits = Counter(
             f"{PREFIX}_worker_exits", "Worker processes that ended, by outcome.", ["outcome"], registry=r
         )
+        self.buddy_copy_interval = Gauge(
+            f"{PREFIX}_buddy_copy_interval_steps",
+            "Steps between refreshes of the buddy copies, as last agreed under the cost budget (replicaCostPercent).",
+            registry=r,
+        )
+        self.buddy_copy_cost = Gauge(
+            f"{PREFIX}_buddy_copy_cost_ratio",
+            "Share of step time the buddy copies' refreshes cost at that interval, as calibrated.",
+            registry=r,
+        )
         self.workers_alive = Gauge(f"{PREFIX}_workers_alive", "Worker processes running.", registry=r)
         self.plans = Counter(f"{PREFIX}_plans", "Plans received, by HTTP status of the answer.", ["code"], registry=r)
         self.collective_failures = Counter(

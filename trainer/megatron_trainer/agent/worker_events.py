@@ -23,6 +23,7 @@ from megatron_trainer.channel import (
     CheckpointProblem,
     CheckpointSaved,
     CollectiveFailed,
+    CopyInterval,
     Hello,
     PhaseTimes,
     Progress,
@@ -103,6 +104,20 @@ class WorkerEvents:
             self._on_progress(handle, message)
         elif isinstance(message, ReplicaSteps):
             handle.replica_steps = message  # its epoch is checked when a report is built
+        elif isinstance(message, CopyInterval):
+            if message.epoch == agent.epoch:
+                agent.metrics.buddy_copy_interval.set(message.interval)
+                agent.metrics.buddy_copy_cost.set(message.cost_ratio)
+            log.info(
+                "worker %d: buddy copies every %d steps in epoch %d (it needed %d; a refresh costs %.4f s, a step "
+                "%.4f s)",
+                handle.local_rank,
+                message.interval,
+                message.epoch,
+                message.proposed,
+                message.refresh_cost_seconds,
+                message.clear_step_seconds,
+            )
         elif isinstance(message, CheckpointSaved):
             if agent.checkpoints.saved(message, suspending=self._suspending(message.epoch)):
                 self._send_soon()

@@ -459,6 +459,41 @@ class BuddyCopies:
                 times.total_s = seconds(began, end)
             self.times.add(times)
 
+    def agree(self, value: int, stop: Callable[[], bool]) -> int:
+        """The largest ``value`` of every rank of the world (each calls this after the same step): an
+        all-reduce on the epoch's world group. Where that is NCCL it is queued on the side stream,
+        after the refreshes queued there, so that every rank's work on the world group keeps one
+        order; the host waits for it, polling ``stop`` (RuntimeError once true: a peer may be dead)."""
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: the copies were abandoned with their epoch")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            self._stream = self._stream or _side_stream(device)
+            found = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            with torch.cuda.stream(self._stream):
+                largest = torch.full((1,), value, dtype=torch.int64, device=device)
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+                found.copy_(largest, non_blocking=True)
+                end = torch.cuda.Event()
+                end.record(self._stream)
+            done: Callable[[float], bool] = _Ended(end).wait
+        else:
+            found = torch.full((1,), value, dtype=torch.int64)
+            work = dist.all_reduce(found, op=dist.ReduceOp.MAX, async_op=True)
+            assert work is not None
+
+            def done(timeout: float) -> bool:
+                if not work.is_completed():
+                    time.sleep(timeout)
+                    return False
+                work.wait()  # raises the collective's error
+                return True
+
+        while not done(_STOP_POLL_SECONDS):
+            if stop():
+                raise RuntimeError(f"rank {self.rank}: agreeing on the refresh interval interrupted")
+        return int(found.item())
+
     def buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The host buffers (own, ward) of the complete copies, for the next epoch's copies to fill
         (``recycled``) once nothing reads these any more: no copy is in flight into them."""

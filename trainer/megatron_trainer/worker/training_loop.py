@@ -15,14 +15,17 @@ steps costs step time there). The copies held go to the agent (``ReplicaSteps``)
 failed step; a failed step first gives the ward's copy of the refresh in flight a moment to arrive
 (:data:`SALVAGE_WAIT`). The copies only read the optimizer's state: training is the same with or
 without them. Where the epoch's refreshes spent their time is logged as it ends
-(worker/refresh_times.py).
+(worker/refresh_times.py). With a cost budget (``replicaCostPercent``) the epoch's first refreshes
+calibrate the interval, which all ranks then agree on (worker/copy_schedule.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -36,6 +39,7 @@ from megatron_trainer.channel import (
     CheckpointProblem,
     CheckpointSaved,
     CollectiveFailed,
+    CopyInterval,
     PhaseTimes,
     Progress,
     ReplicaSteps,
@@ -44,6 +48,7 @@ from megatron_trainer.faults import InjectedFault, InjectionPoint
 from megatron_trainer.worker import checkpoint
 from megatron_trainer.worker.buddy_copies import GENERATIONS, BuddyCopies, buddy_and_ward
 from megatron_trainer.worker.collective_errors import is_collective_error
+from megatron_trainer.worker.copy_schedule import Calibration, CopySchedule
 from megatron_trainer.worker.lifecycle import WorkerState
 from megatron_trainer.worker.model import TrainState
 from megatron_trainer.worker.optimizer_shards import buffer_layouts, flat_shards, materialize, shard_pieces
@@ -70,6 +75,9 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
     logs_samples = _logs_samples(worker, plan)
     first = True
     interval = _start_copies(worker, plan)
+    schedule = None
+    if interval > 0 and plan.optimizer_state is not None:
+        schedule = CopySchedule(interval, plan.optimizer_state.replica_cost_percent, ts.step)
     worker.limits.reset()  # the epoch's first step is a warm-up: the collective timeout watches it
     while ts.step < worker.spec.training.train_iters:
         with worker.lock:
@@ -102,7 +110,7 @@ def train(worker: Worker, plan: MeshPlan, phases: dict[str, float]) -> None:
                 tokens_per_second=result.tokens / result.seconds if result.seconds > 0 else 0.0,
             )
         )
-        if not _refresh_copies(worker, plan, due=interval > 0 and ts.step % interval == 0, wait=False):
+        if schedule is not None and not _next_refresh(worker, plan, schedule, result.seconds):
             return
         if worker.saver is not None and not _checkpoint_after_step(worker, plan):
             return
@@ -186,6 +194,82 @@ def _start_copies(worker: Worker, plan: MeshPlan) -> int:
     return interval
 
 
+def _next_refresh(worker: Worker, plan: MeshPlan, schedule: CopySchedule, step_seconds: float) -> bool:
+    """At a step boundary: note the step for the schedule, agree on the interval once it is
+    calibrated, then finish or start refreshes as it says; False when that failed (handled)."""
+    copies, ts = worker.copies, worker.ts
+    assert copies is not None and ts is not None
+    schedule.record_step(ts.step, step_seconds)
+    if schedule.agree_at == ts.step and not _agree_interval(worker, plan, schedule):
+        return False
+    due, in_flight = schedule.due(ts.step), copies.in_flight
+    if not _refresh_copies(worker, plan, due=due, wait=False):
+        return False
+    if in_flight and (due or not copies.in_flight):
+        schedule.ended(ts.step)
+    if due:
+        schedule.started(ts.step)
+    return True
+
+
+def _agree_interval(worker: Worker, plan: MeshPlan, schedule: CopySchedule) -> bool:
+    """Propose this rank's calibrated interval and adopt the largest any rank proposed."""
+    copies, ts = worker.copies, worker.ts
+    assert copies is not None and ts is not None
+    try:
+        calibration = schedule.proposal()
+    except ValueError as err:  # nothing measured (cannot happen in a whole calibration): keep the floor
+        log.warning("epoch %d rank %d: the refreshes' cost was not measured (%s)", plan.epoch, worker.rank, err)
+        calibration = Calibration(0.0, 0.0, 1, 0, schedule.interval)
+    try:
+        with _watched(worker, ts.step):
+            agreed = copies.agree(calibration.proposal, stop=worker.aborted.is_set)
+    except RuntimeError as err:
+        if not (worker.aborted.is_set() or is_collective_error(err)):
+            raise
+        _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
+        return False
+    schedule.adopt(agreed, calibration)
+    worker.send(
+        CopyInterval(
+            epoch=plan.epoch,
+            interval=agreed,
+            from_step=ts.step,
+            proposed=calibration.proposal,
+            refresh_cost_seconds=calibration.cost_s,
+            clear_step_seconds=calibration.clear_step_s,
+        )
+    )
+    log.info(
+        "epoch %d rank %d: buddy copies every %d steps from step %d (agreed; this rank proposed %d: a refresh "
+        "cost %.4f s beside a %.4f s step, %d refreshes measured, the longest ended after %d steps; budget %g %%)",
+        plan.epoch,
+        worker.rank,
+        agreed,
+        ts.step,
+        calibration.proposal,
+        calibration.cost_s,
+        calibration.clear_step_s,
+        calibration.refreshes,
+        calibration.refresh_steps,
+        schedule.budget_percent,
+    )
+    return True
+
+
+@contextlib.contextmanager
+def _watched(worker: Worker, step: int) -> Iterator[None]:
+    """Work between steps watched like a save: the collective timeout allows it, and a long one tells
+    stalled peers that this rank is alive (worker/watchdog.py)."""
+    worker.out_of_step.clear()
+    worker.marks.begin(Phase.CHECKPOINT, step)
+    try:
+        yield
+    finally:
+        worker.marks.end()
+        worker.out_of_step.set()
+
+
 def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True) -> bool:
     """Finish the refresh in flight (when ``wait`` or ``due``; otherwise only note whether it is
     done), then start one when ``due``, and tell the agent which copies this rank holds; False when
@@ -194,34 +278,26 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True
     if copies is None or ts is None or not (due or copies.in_flight):
         return True
     watched = due or wait
-    if watched:
-        worker.out_of_step.clear()
-        # Watched like a save: the collective timeout allows it, and a long one tells stalled peers
-        # that this rank is alive (worker/watchdog.py).
-        worker.marks.begin(Phase.CHECKPOINT, ts.step)
     try:
-        if copies.in_flight:
-            if watched:
-                copies.finish_refresh(stop=worker.aborted.is_set)  # a plan interrupting: the buddy may be dead
-            elif not copies.poll():
-                return True  # still in flight: the next step runs beside it
-            _log_copies(worker, copies, "copies")
-        if due:
-            began = Stamp(worker.device)
-            if worker.copy_pieces is None:  # the optimizer's tensors stay the same within an epoch
-                worker.copy_pieces = shard_pieces(ts.optimizer)
-            shards = copies.assemble(partial(materialize, worker.copy_pieces), worker.device)
-            copies.start_refresh(ts.step, shards, began)
-            _log_copies(worker, copies, "state")
+        with _watched(worker, ts.step) if watched else contextlib.nullcontext():
+            if copies.in_flight:
+                if watched:
+                    copies.finish_refresh(stop=worker.aborted.is_set)  # a plan interrupting: the buddy may be dead
+                elif not copies.poll():
+                    return True  # still in flight: the next step runs beside it
+                _log_copies(worker, copies, "copies")
+            if due:
+                began = Stamp(worker.device)
+                if worker.copy_pieces is None:  # the optimizer's tensors stay the same within an epoch
+                    worker.copy_pieces = shard_pieces(ts.optimizer)
+                shards = copies.assemble(partial(materialize, worker.copy_pieces), worker.device)
+                copies.start_refresh(ts.step, shards, began)
+                _log_copies(worker, copies, "state")
     except RuntimeError as err:
         if not (worker.aborted.is_set() or is_collective_error(err)):
             raise
         _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
         return False
-    finally:
-        if watched:
-            worker.marks.end()
-            worker.out_of_step.set()
     worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
     return True
 
