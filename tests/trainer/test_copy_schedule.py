@@ -21,9 +21,10 @@ from megatron_trainer.worker.copy_schedule import (
 )
 
 
-def _calibrate(schedule: CopySchedule, clear_s: float, cost_s: float, took: int = 1) -> None:
+def _calibrate(schedule: CopySchedule, clear_s: float, cost_s: float, took: int = 1, between_s: float = 0.0) -> None:
     """Run ``schedule``'s calibration as the training loop does: steps of ``clear_s``, the ``cost_s``
-    of each refresh spread over the steps beside it, each refresh seen ended ``took`` steps later."""
+    of each refresh spread over the steps beside it, each refresh seen ended ``took`` steps later,
+    starting each taking the training thread ``between_s`` between two steps."""
     assert schedule.agree_at is not None
     step, started = schedule.starts[0] - 1, None
     while step < schedule.agree_at:
@@ -34,7 +35,7 @@ def _calibrate(schedule: CopySchedule, clear_s: float, cost_s: float, took: int 
             schedule.ended(step)
             started = None
         if step < schedule.agree_at and schedule.due(step):
-            schedule.started(step)
+            schedule.started(step, between_s)
             started = step
 
 
@@ -57,6 +58,13 @@ def test_calibration_refreshes_then_the_agreed_interval():
     schedule.adopt(5, calibration)  # another rank needed more
     assert not schedule.calibrating and schedule.interval == 5
     assert [n for n in range(28, 45) if schedule.due(n)] == [30, 35, 40]
+
+
+def test_the_training_threads_time_between_steps_is_charged_too():
+    schedule = CopySchedule(interval=1, budget_percent=2.0, first=0)
+    _calibrate(schedule, clear_s=0.5, cost_s=0.02, between_s=0.01)
+    calibration = schedule.proposal()
+    assert calibration.cost_s == pytest.approx(0.03) and calibration.proposal == 3
 
 
 def test_a_longer_floor_calibrates_at_its_own_interval():

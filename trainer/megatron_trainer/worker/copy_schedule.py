@@ -8,7 +8,8 @@ fraction of a percent of a long step to a tenth of a short one. With a budget th
 *calibrates*: :data:`CALIBRATION_REFRESHES` refreshes, :data:`CALIBRATION_PERIOD` steps apart (or
 ``replicaIntervalSteps``, when longer), charge each refresh the time by which the
 :data:`BESIDE_STEPS` steps after its start outlast the median step clear of any refresh (the steps
-after those, up to the next refresh). Then
+after those, up to the next refresh), plus the training thread's time starting it between two
+steps. Then
 
     N = max(replicaIntervalSteps, ceil(cost / (budget x clear step)), steps a refresh took)
 
@@ -53,12 +54,18 @@ class Calibration:
 
 
 def propose(
-    times: dict[int, float], starts: list[int], ends: dict[int, int], interval: int, budget_percent: float
+    times: dict[int, float],
+    starts: list[int],
+    ends: dict[int, int],
+    interval: int,
+    budget_percent: float,
+    between: dict[int, float] | None = None,
 ) -> Calibration:
     """The interval a rank needs: ``times`` are step times by step count (the count after the step),
     ``starts`` the counts after which the calibrating refreshes started, ``ends`` the count at which
     each was seen finished, ``interval`` the floor (replicaIntervalSteps), ``budget_percent`` the
-    budget. Steps measured on neither side of a refresh are ignored."""
+    budget, ``between`` the training thread's time at each start's step boundary (seconds)."""
+    between = between or {}
     beside: set[int] = set()
     for s in starts:
         beside.update(range(s + 1, s + 1 + BESIDE_STEPS))
@@ -67,7 +74,7 @@ def propose(
         raise ValueError("no step clear of a refresh was measured")
     clear_s = statistics.median(clear)
     costs = [
-        sum(times[n] for n in range(s + 1, s + 1 + BESIDE_STEPS)) - BESIDE_STEPS * clear_s
+        sum(times[n] for n in range(s + 1, s + 1 + BESIDE_STEPS)) - BESIDE_STEPS * clear_s + between.get(s, 0.0)
         for s in starts
         if all(n in times for n in range(s + 1, s + 1 + BESIDE_STEPS))
     ]
@@ -97,6 +104,7 @@ class CopySchedule:
         self.calibration: Calibration | None = None
         self._times: dict[int, float] = {}
         self._ends: dict[int, int] = {}
+        self._between: dict[int, float] = {}
         self._in_flight: int | None = None  # the count of the calibrating refresh in flight
         period = max(CALIBRATION_PERIOD, interval)
         start = -(-(first + 2) // period) * period  # past the warm-up step and the one after it
@@ -119,10 +127,12 @@ class CopySchedule:
         if self.agree_at is not None and self.starts[0] < step <= self.agree_at:
             self._times[step] = seconds
 
-    def started(self, step: int) -> None:
-        """A refresh started after ``step`` steps."""
+    def started(self, step: int, seconds: float = 0.0) -> None:
+        """A refresh started after ``step`` steps; ``seconds``: the training thread's time on it
+        at that boundary (starting it, and waiting for the one before)."""
         if self.agree_at is not None and step in self.starts:
             self._in_flight = step
+            self._between[step] = seconds
 
     def ended(self, step: int) -> None:
         """The refresh in flight was seen finished at the boundary after ``step`` steps."""
@@ -133,7 +143,7 @@ class CopySchedule:
     def proposal(self) -> Calibration:
         """This rank's measurements and the interval it needs (once ``agree_at`` is reached)."""
         assert self.budget_percent is not None
-        return propose(self._times, self.starts, self._ends, self.interval, self.budget_percent)
+        return propose(self._times, self.starts, self._ends, self.interval, self.budget_percent, self._between)
 
     def adopt(self, interval: int, calibration: Calibration) -> None:
         """Refresh every ``interval`` steps from now on (the largest any rank proposed)."""

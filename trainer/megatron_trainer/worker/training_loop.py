@@ -203,12 +203,13 @@ def _next_refresh(worker: Worker, plan: MeshPlan, schedule: CopySchedule, step_s
     if schedule.agree_at == ts.step and not _agree_interval(worker, plan, schedule):
         return False
     due, in_flight = schedule.due(ts.step), copies.in_flight
+    began = time.perf_counter()
     if not _refresh_copies(worker, plan, due=due, wait=False):
         return False
     if in_flight and (due or not copies.in_flight):
         schedule.ended(ts.step)
     if due:
-        schedule.started(ts.step)
+        schedule.started(ts.step, time.perf_counter() - began)
     return True
 
 
