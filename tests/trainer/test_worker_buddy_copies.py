@@ -264,7 +264,7 @@ def test_with_a_cost_budget_the_ranks_calibrate_and_agree_on_one_interval(
         [told] = worker.of_type(CopyInterval)
         assert (told.epoch, told.interval, told.from_step, told.proposed) == (1, n, 20, found[rank][1]), told
         steps = {s for m in worker.of_type(ReplicaSteps) for s in m.steps}
-        assert {s for s in steps if s <= 20} <= {4, 8, 12, 16}, (worker.name, sorted(steps))
-        assert all(s % n == 0 for s in steps if s > 20), (worker.name, n, sorted(steps))
+        assert {s for s in steps if s < 20} <= {4, 8, 12, 16}, (worker.name, sorted(steps))
+        assert all(s % n == 0 for s in steps if s >= 20), (worker.name, n, sorted(steps))
         if 20 + n <= iters:
             assert any(s > 20 for s in steps), (worker.name, n, sorted(steps))

@@ -492,7 +492,10 @@ class BuddyCopies:
         while not done(_STOP_POLL_SECONDS):
             if stop():
                 raise RuntimeError(f"rank {self.rank}: agreeing on the refresh interval interrupted")
-        return int(found.item())
+        agreed = int(found.item())
+        if stop() or agreed < value:  # an abort ends the collective with whatever its buffer held
+            raise RuntimeError(f"rank {self.rank}: agreeing on the refresh interval aborted (got {agreed})")
+        return agreed
 
     def buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The host buffers (own, ward) of the complete copies, for the next epoch's copies to fill

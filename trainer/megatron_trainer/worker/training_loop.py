@@ -222,14 +222,14 @@ def _agree_interval(worker: Worker, plan: MeshPlan, schedule: CopySchedule) -> b
     except ValueError as err:  # nothing measured (cannot happen in a whole calibration): keep the floor
         log.warning("epoch %d rank %d: the refreshes' cost was not measured (%s)", plan.epoch, worker.rank, err)
         calibration = Calibration(0.0, 0.0, 1, 0, schedule.interval)
-    try:
-        with _watched(worker, ts.step):
+    with _watched(worker, ts.step):
+        try:
             agreed = copies.agree(calibration.proposal, stop=worker.aborted.is_set)
-    except RuntimeError as err:
-        if not (worker.aborted.is_set() or is_collective_error(err)):
-            raise
-        _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
-        return False
+        except RuntimeError as err:
+            if not (worker.aborted.is_set() or is_collective_error(err)):
+                raise
+            _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
+            return False
     schedule.adopt(agreed, calibration)
     worker.send(
         CopyInterval(
@@ -279,8 +279,8 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True
     if copies is None or ts is None or not (due or copies.in_flight):
         return True
     watched = due or wait
-    try:
-        with _watched(worker, ts.step) if watched else contextlib.nullcontext():
+    with _watched(worker, ts.step) if watched else contextlib.nullcontext():
+        try:
             if copies.in_flight:
                 if watched:
                     copies.finish_refresh(stop=worker.aborted.is_set)  # a plan interrupting: the buddy may be dead
@@ -294,11 +294,11 @@ def _refresh_copies(worker: Worker, plan: MeshPlan, due: bool, wait: bool = True
                 shards = copies.assemble(partial(materialize, worker.copy_pieces), worker.device)
                 copies.start_refresh(ts.step, shards, began)
                 _log_copies(worker, copies, "state")
-    except RuntimeError as err:
-        if not (worker.aborted.is_set() or is_collective_error(err)):
-            raise
-        _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
-        return False
+        except RuntimeError as err:
+            if not (worker.aborted.is_set() or is_collective_error(err)):
+                raise
+            _on_step_failure(worker, plan, f"buddy copies: {type(err).__name__}: {err}")
+            return False
     worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
     return True
 
