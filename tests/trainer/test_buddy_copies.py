@@ -15,6 +15,7 @@ with its refresh sent but unfinished leaves a copy its survivor salvages (comple
 values); a refresh started once the ward is gone fails with an error the worker takes for a failed
 collective, well within the links' timeout, is not salvaged, and the newest copy before it stays.
 
+On a GPU (skipped elsewhere), the agreement of one rank over NCCL, and one asked to stop refused.
 On two GPUs or more (skipped elsewhere), the first scenario again with the shards on the GPUs and
 sent over NCCL, in chunks (the worker's transport on GPU), then five refreshes more that must leave
 no GPU memory behind with the cyclic collector off; and a refresh whose ward is gone, ended
@@ -291,6 +292,39 @@ def test_on_gpus_the_shards_assembled_beside_the_step_are_the_steps_state() -> N
         for step in (1, 2, 3):
             assert r[str(step)] == [[10.0 * rank + step], [10.0 * (1 - rank) + step]], (rank, step, r)
         assert r["steps"] == [3, 2]
+
+
+_AGREE_ON_ONE_GPU = r"""
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+from megatron_trainer.worker.buddy_copies import BuddyCopies
+from megatron_trainer.worker.settings import NCCL_DEFAULTS
+
+os.environ.update(NCCL_DEFAULTS)
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, True, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+copies = BuddyCopies(0, 1, 1)  # agree() needs no buddy: the world's one rank
+out = {"agreed": copies.agree(7, stop=lambda: False)}
+try:
+    copies.agree(3, stop=lambda: True)
+    out["stopped"] = None
+except RuntimeError as err:
+    out["stopped"] = str(err)
+dist.destroy_process_group()
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA device; this machine has {GPUS}")
+def test_on_a_gpu_the_agreement_is_an_all_reduce_on_the_side_stream_and_a_stop_refuses_it() -> None:
+    [result] = run_rank_scripts(_AGREE_ON_ONE_GPU, lambda r: [str(free_port())], 1, timeout=240)
+    assert result["agreed"] == 7
+    # Asked to stop (a newer plan, an abort), whatever the collective left is not taken.
+    assert result["stopped"] is not None and "agreeing on the refresh interval" in result["stopped"]
 
 
 def test_bad_buddy_assignments_are_refused() -> None:
