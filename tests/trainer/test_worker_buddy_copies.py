@@ -28,8 +28,8 @@ ward's copy having arrived: no completed step is lost.
 
 Fourth scenario (three pods of one worker, interval 1, ``replicaCostPercent`` 50): the epoch
 calibrates first (refreshes after steps 4, 8, 12 and 16 only), a DELAY fault on one rank making each
-step beside such a refresh 0.4 s longer, then every rank proposes an interval and all adopt the
-largest: each logs the same agreed interval, at least 2 (0.4 s a refresh cannot fit in half of any
+step beside such a refresh 0.6 s longer, then every rank proposes an interval and all adopt the
+largest: each logs the same agreed interval, at least 2 (0.6 s a refresh cannot fit in half of any
 step of this tiny model), which is the fewest steps its own measurements allow; the copies held
 after the agreement are of its multiples only; the losses equal a run without copies.
 """
@@ -237,7 +237,7 @@ def test_with_a_cost_budget_the_ranks_calibrate_and_agree_on_one_interval(
     iters = 40
     faults = FaultPlan()
     for step in (4, 8, 12, 16):  # the steps that make counts 5, 9, 13 and 17: each beside a refresh
-        faults.fail_at(rank=1, step=step, fault=Fault.DELAY, seconds=0.4, point=InjectionPoint.DATA_READ)
+        faults.fail_at(rank=1, step=step, fault=Fault.DELAY, seconds=0.6, point=InjectionPoint.DATA_READ)
     spec = buddy_spec(tmp_path / "ckpt", train_iters=iters, cost_percent=50)
     cluster = make_cluster(spec, tmp_path / "budget", fault_env(tmp_path, faults))
     plan = train(cluster, PODS, buddies=True)
