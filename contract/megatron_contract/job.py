@@ -242,8 +242,8 @@ class OptimizerSpec(WireModel):
         "of the step time. At each epoch's start the workers measure what a refresh costs the steps beside it (four "
         "refreshes, four steps apart: about 18 steps, in which a failure redoes up to 3) and then refresh every N "
         "steps, N the fewest that keep within it, never fewer than replicaIntervalSteps (all ranks agree on the "
-        "largest N any of them needs); a failure then redoes up to N-1 steps. Unset: every replicaIntervalSteps "
-        "steps, whatever that costs.",
+        "largest N any of them needs); a failure then redoes up to N-1 steps. They calibrate again every 1000 steps. "
+        "Unset: every replicaIntervalSteps steps, whatever that costs.",
     )
 
 

@@ -41,23 +41,32 @@ def _calibrate(schedule: CopySchedule, clear_s: float, cost_s: float, took: int 
 
 def test_without_a_budget_every_interval():
     schedule = CopySchedule(interval=3, budget_percent=None, first=10)
-    assert not schedule.calibrating and schedule.agree_at is None
+    assert schedule.agree_at is None
     assert [n for n in range(10, 25) if schedule.due(n)] == [12, 15, 18, 21, 24]
 
 
 def test_calibration_refreshes_then_the_agreed_interval():
     schedule = CopySchedule(interval=1, budget_percent=2.0, first=7)
-    # Past the epoch's warm-up step and the next, on multiples of the period.
+    # Past the epoch's warm-up step and the next, on multiples of the period; before them every
+    # replicaIntervalSteps, but none in the two steps before the first.
     assert schedule.starts == [12, 16, 20, 24] and schedule.agree_at == 28
-    assert [n for n in range(7, 28) if schedule.due(n)] == schedule.starts
+    assert [n for n in range(7, 28) if schedule.due(n)] == [7, 8, 9, *schedule.starts]
     _calibrate(schedule, clear_s=0.5, cost_s=0.03)
     calibration = schedule.proposal()
     assert calibration.cost_s == pytest.approx(0.03) and calibration.clear_step_s == pytest.approx(0.5)
     assert calibration.refreshes == CALIBRATION_REFRESHES and calibration.refresh_steps == 1
     assert calibration.proposal == 3  # 30 ms a refresh at 2 % of 0.5 s: every 3 steps
     schedule.adopt(5, calibration)  # another rank needed more
-    assert not schedule.calibrating and schedule.interval == 5
+    assert schedule.interval == 5
     assert [n for n in range(28, 45) if schedule.due(n)] == [30, 35, 40]
+    # 1000 steps on it calibrates again, at the interval in force (longer than the period).
+    assert schedule.starts == [1030, 1035, 1040, 1045] and schedule.agree_at == 1050
+    assert [n for n in range(1000, 1050) if schedule.due(n)] == [1000, 1005, 1010, 1015, 1020, 1025, *schedule.starts]
+    _calibrate(schedule, clear_s=2.0, cost_s=0.03)  # the steps grew longer: every step fits
+    again = schedule.proposal()
+    assert again.cost_s == pytest.approx(0.03) and again.proposal == 1
+    schedule.adopt(1, again)  # below the interval in force, not below replicaIntervalSteps
+    assert schedule.interval == 1 and schedule.agree_at is not None and schedule.starts[0] >= 2050
 
 
 def test_the_training_threads_time_between_steps_is_charged_too():

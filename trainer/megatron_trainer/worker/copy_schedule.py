@@ -6,7 +6,7 @@ A refresh slows the steps that run beside it by a near-fixed time, whatever thei
 22-38 ms for a 1.1 B GPT's 6.6 GB shards), so the cost of refreshing every step ranges from a
 fraction of a percent of a long step to a tenth of a short one. With a budget the epoch first
 *calibrates*: :data:`CALIBRATION_REFRESHES` refreshes, :data:`CALIBRATION_PERIOD` steps apart (or
-``replicaIntervalSteps``, when longer), charge each refresh the time by which the
+the interval in force, when longer: ``replicaIntervalSteps`` at first), charge each refresh the time by which the
 :data:`BESIDE_STEPS` steps after its start outlast the median step clear of any refresh (the steps
 after those, up to the next refresh), plus the training thread's time starting it between two
 steps. Then
@@ -17,6 +17,8 @@ steps. Then
 rank proposes its ``N`` and all adopt the largest (``BuddyCopies.agree``): sends and receives pair
 up, and the planner restores every shard at one step, so all ranks refresh at the same steps. A
 failure then finds copies at most ``N - 1`` steps old (the plan says how many steps are redone).
+Every :data:`RECALIBRATE_STEPS` steps the epoch calibrates again (steps grow longer or shorter
+over a long run), at the current interval when that is longer than the calibration's period.
 
 Pure: the training loop (worker/training_loop.py) tells it each step's time and when a refresh
 started and ended, and asks it which step boundaries refresh and when to agree.
@@ -40,6 +42,9 @@ BESIDE_STEPS = 2
 
 #: The largest interval proposed (``OptimizerSpec.replica_interval_steps``' bound).
 MAX_INTERVAL = 1_000_000
+
+#: Steps from one agreement to the next calibration.
+RECALIBRATE_STEPS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,26 +104,32 @@ class CopySchedule:
             raise ValueError(f"interval {interval} < 1")
         if budget_percent is not None and not 0 < budget_percent <= 100:
             raise ValueError(f"budget {budget_percent} % is not in (0, 100]")
-        self.interval = interval
+        self.floor = self.interval = interval
         self.budget_percent = budget_percent
         self.calibration: Calibration | None = None
+        self.starts: list[int] = []
+        self.agree_at: int | None = None  # the step count of the next agreement
+        self._open_window(first)
+
+    def _open_window(self, after: int) -> None:
+        """Plan a calibration: its refreshes start past ``after`` (and the step after it), on
+        multiples of the period, the current interval when that is longer (it then costs nothing
+        more); none starts in the two steps before it, so the refresh before is done."""
         self._times: dict[int, float] = {}
         self._ends: dict[int, int] = {}
         self._between: dict[int, float] = {}
         self._in_flight: int | None = None  # the count of the calibrating refresh in flight
-        period = max(CALIBRATION_PERIOD, interval)
-        start = -(-(first + 2) // period) * period  # past the warm-up step and the one after it
-        self.starts = [start + i * period for i in range(CALIBRATION_REFRESHES)] if budget_percent else []
+        if self.budget_percent is None:
+            return
+        period = max(CALIBRATION_PERIOD, self.interval)
+        start = -(-(after + 2) // period) * period
+        self.starts = [start + i * period for i in range(CALIBRATION_REFRESHES)]
         # Agreed once the last calibrating refresh's clear steps are measured, before any other refresh.
-        self.agree_at: int | None = start + CALIBRATION_REFRESHES * period if budget_percent else None
-
-    @property
-    def calibrating(self) -> bool:
-        return self.agree_at is not None
+        self.agree_at = start + CALIBRATION_REFRESHES * period
 
     def due(self, step: int) -> bool:
         """Whether a refresh starts after ``step`` steps."""
-        if self.agree_at is not None and step < self.agree_at:
+        if self.agree_at is not None and self.starts[0] - 2 <= step < self.agree_at:
             return step in self.starts
         return step % self.interval == 0
 
@@ -143,10 +154,13 @@ class CopySchedule:
     def proposal(self) -> Calibration:
         """This rank's measurements and the interval it needs (once ``agree_at`` is reached)."""
         assert self.budget_percent is not None
-        return propose(self._times, self.starts, self._ends, self.interval, self.budget_percent, self._between)
+        return propose(self._times, self.starts, self._ends, self.floor, self.budget_percent, self._between)
 
     def adopt(self, interval: int, calibration: Calibration) -> None:
-        """Refresh every ``interval`` steps from now on (the largest any rank proposed)."""
-        if interval < self.interval:
-            raise ValueError(f"interval {interval} below replicaIntervalSteps {self.interval}")
-        self.interval, self.calibration, self.agree_at = interval, calibration, None
+        """Refresh every ``interval`` steps from now on (the largest any rank proposed), until the
+        next calibration, :data:`RECALIBRATE_STEPS` later (steps may have grown shorter or longer)."""
+        if interval < self.floor:
+            raise ValueError(f"interval {interval} below replicaIntervalSteps {self.floor}")
+        assert self.agree_at is not None
+        self.interval, self.calibration = interval, calibration
+        self._open_window(self.agree_at + RECALIBRATE_STEPS)
