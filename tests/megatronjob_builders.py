@@ -167,6 +167,8 @@ BAD_JOBS: tuple[BadJob, ...] = (
         "spec.training.globalBatchSize must be a multiple of spec.training.microBatchSize",
     ),
     BadJob("zero-learning-rate", {"training.lr": 0}, "spec.training.lr"),
+    BadJob("zero-copy-cost-budget", {"training.optimizer.replicaCostPercent": 0}, "replicaCostPercent"),
+    BadJob("copy-cost-budget-over-100", {"training.optimizer.replicaCostPercent": 150}, "replicaCostPercent"),
     BadJob(
         "heartbeat-timeout-below-interval",
         {"failureDetection.heartbeatTimeoutSeconds": 1},
