@@ -167,8 +167,21 @@ BAD_JOBS: tuple[BadJob, ...] = (
         "spec.training.globalBatchSize must be a multiple of spec.training.microBatchSize",
     ),
     BadJob("zero-learning-rate", {"training.lr": 0}, "spec.training.lr"),
-    BadJob("zero-copy-cost-budget", {"training.optimizer.replicaCostPercent": 0}, "replicaCostPercent"),
-    BadJob("copy-cost-budget-over-100", {"training.optimizer.replicaCostPercent": 150}, "replicaCostPercent"),
+    BadJob(
+        "zero-copy-cost-budget",
+        {"training.optimizer.distributed": True, "training.optimizer.replicaCostPercent": 0},
+        "spec.training.optimizer.replicaCostPercent",
+    ),
+    BadJob(
+        "copy-cost-budget-over-100",
+        {"training.optimizer.distributed": True, "training.optimizer.replicaCostPercent": 150},
+        "spec.training.optimizer.replicaCostPercent",
+    ),
+    BadJob(
+        "copy-cost-budget-without-the-distributed-optimizer",
+        {"training.optimizer.replicaCostPercent": 2},
+        "spec.training.optimizer.replicaCostPercent needs spec.training.optimizer.distributed",
+    ),
     BadJob(
         "heartbeat-timeout-below-interval",
         {"failureDetection.heartbeatTimeoutSeconds": 1},

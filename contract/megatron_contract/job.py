@@ -578,6 +578,13 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda s: not s.training.optimizer.distributed or s.checkpoint is not None,
     ),
     SpecRule(
+        "!has(self.training.optimizer.replicaCostPercent) || "
+        "(has(self.training.optimizer.distributed) && self.training.optimizer.distributed)",
+        "spec.training.optimizer.replicaCostPercent needs spec.training.optimizer.distributed: only the distributed "
+        "optimizer keeps buddy copies",
+        lambda s: s.training.optimizer.replica_cost_percent is None or s.training.optimizer.distributed,
+    ),
+    SpecRule(
         "!has(self.suspend) || !self.suspend || has(self.checkpoint)",
         "spec.suspend needs spec.checkpoint: a suspended job's pods are deleted, and it resumes from the "
         "checkpoint they write when it stops",
