@@ -24,6 +24,11 @@ And one replica over two pods of one worker (PP 2, DP 1; each stage's buddy is t
 the spare replacing pod b (stage 1) takes stage 1's shard from the copy pod a (stage 0) keeps,
 relayed whole since pod a trains another stage; the losses equal a failure-free run.
 
+Under a cost budget (``replicaCostPercent``), its calibrating refreshes made costly by DELAY faults
+so that the ranks agree on refreshing every several steps, a kill after the agreement: the spare
+takes pod a's shards from the newest complete copies, the steps since are redone, and every loss
+equals the failure-free run.
+
 Plans at step boundaries that keep every shard where it is (the same pods, twice): the survivors
 adopt their own state, every loss equals the failure-free run; in particular each data-parallel
 rank's parameters keep following the optimizer's all-gather (they once pointed at the previous
@@ -183,6 +188,55 @@ def test_a_kill_between_refreshes_goes_back_to_the_newest_complete_copies(
     history, redone = check_samples(cluster, victims={"a"})
     assert redone == [FAULT_STEP - 1], "exactly the step after the newest copies is trained again"
     assert history[FAULT_STEP - 1] == 2
+
+
+BUDGET_ITERS = 32
+BUDGET_FAULT_STEP = 27  # past the agreement at step 20 (worker/copy_schedule.py), between refreshes mostly
+
+
+def test_under_a_cost_budget_a_kill_after_the_agreement_is_recovered_exactly(
+    tmp_path: Path, make_cluster: MakeCluster
+) -> None:
+    wire = shard_spec(tmp_path / "ckpt", iters=BUDGET_ITERS).to_wire()
+    wire["training"]["optimizer"]["replicaCostPercent"] = 50
+    spec = MegatronJobSpec.model_validate(wire)
+    reference = failure_free_losses(shard_spec(tmp_path / "ref-ckpt", iters=BUDGET_ITERS), tmp_path / "reference")
+    plan_faults = FaultPlan()
+    for step in (4, 8, 12, 16):  # each step beside a calibrating refresh 0.6 s longer: an interval of several
+        plan_faults.fail_at(rank=0, step=step, fault=Fault.DELAY, seconds=0.6, point=InjectionPoint.DATA_READ)
+    plan_faults.fail_at(
+        rank=FAULT_RANK, step=BUDGET_FAULT_STEP, fault=Fault.DELAY, seconds=1.0, point=InjectionPoint.DATA_READ
+    ).fail_at(rank=FAULT_RANK, step=BUDGET_FAULT_STEP, fault=Fault.SIGKILL)
+    cluster = make_cluster(spec, tmp_path / "run", fault_env(tmp_path, plan_faults))
+    cluster.boot(["a", "b", "s"])
+    first = cluster.plan(["a", "b"], buddies=True)
+    cluster.assign(first, ["a", "b", "s"])
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
+    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    assert resume == BUDGET_FAULT_STEP
+    agreed = {
+        int(n)
+        for w in cluster.workers(["b"])
+        for n in re.findall(
+            r"epoch 1 rank \d+: buddy copies every (\d+) steps "
+            r"from step 20 \(agreed",
+            w.log_path.read_text(),
+        )
+    }
+    assert len(agreed) == 1, agreed
+    [interval] = agreed
+    plan = in_memory_plan(cluster, ["s", "b"], first, resume, PlanReason.REPLACE)
+    state = plan.optimizer_state
+    assert state is not None and state.source is OptimizerSourceKind.SELF
+    # Back to the newest complete copies: at most an interval old, or two when the refresh after it
+    # was in flight.
+    assert 0 <= state.steps_redone < 2 * interval and plan.resume_step == resume - state.steps_redone
+    cluster.assign(plan, ["s", "b"])
+    cluster.wait_succeeded(["s", "b"])
+
+    assert cluster.losses(["a", "b", "s"]) == reference  # the redone steps too
+    _, redone = check_samples(cluster, victims={"a"})
+    assert redone == list(range(plan.resume_step, resume)), (redone, interval)
 
 
 GROW_AT = 7  # the step boundary at which the returning pod joins
