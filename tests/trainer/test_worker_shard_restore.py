@@ -103,6 +103,16 @@ def restored(cluster: WorkerCluster, pods: list[str], epoch: int) -> dict[str, t
     return out
 
 
+def kill_pod_a_with_a_spare(cluster: WorkerCluster) -> tuple[MeshPlan, int]:
+    """Pods a and b train with spare s ready until the injected SIGKILL of FAULT_RANK on pod a; the
+    first plan and the step the survivors hold."""
+    cluster.boot(["a", "b", "s"])
+    first = cluster.plan(["a", "b"], buddies=True)
+    cluster.assign(first, ["a", "b", "s"])
+    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
+    return first, max(w.last_step() for w in cluster.workers(["b"]))
+
+
 def check_samples(cluster: WorkerCluster, victims: set[str]) -> tuple[dict[int, int], list[int]]:
     problems, history, redone = check_history(
         read_samples(cluster.sample_dir),
@@ -162,11 +172,7 @@ def test_a_kill_between_refreshes_goes_back_to_the_newest_complete_copies(
 ) -> None:
     # Refreshes every 2 steps: the copies of step 2 are complete when the fault hits step 3.
     cluster = make_cluster(shard_spec(tmp_path / "ckpt", interval=2), tmp_path, faults(tmp_path, Fault.SIGKILL))
-    cluster.boot(["a", "b", "s"])
-    first = cluster.plan(["a", "b"], buddies=True)
-    cluster.assign(first, ["a", "b", "s"])
-    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
-    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    first, resume = kill_pod_a_with_a_spare(cluster)
     assert resume == FAULT_STEP
     plan = in_memory_plan(cluster, ["s", "b"], first, resume, PlanReason.REPLACE)
     state = plan.optimizer_state
@@ -208,11 +214,7 @@ def test_under_a_cost_budget_a_kill_after_the_agreement_is_recovered_exactly(
         rank=FAULT_RANK, step=BUDGET_FAULT_STEP, fault=Fault.DELAY, seconds=1.0, point=InjectionPoint.DATA_READ
     ).fail_at(rank=FAULT_RANK, step=BUDGET_FAULT_STEP, fault=Fault.SIGKILL)
     cluster = make_cluster(spec, tmp_path / "run", fault_env(tmp_path, plan_faults))
-    cluster.boot(["a", "b", "s"])
-    first = cluster.plan(["a", "b"], buddies=True)
-    cluster.assign(first, ["a", "b", "s"])
-    cluster.fail_pod_on_injected_kill("a", FAULT_RANK, 120, survivors=["b"])
-    resume = max(w.last_step() for w in cluster.workers(["b"]))
+    first, resume = kill_pod_a_with_a_spare(cluster)
     assert resume == BUDGET_FAULT_STEP
     agreed = {
         int(n)
