@@ -49,7 +49,7 @@ RENEW_SECONDS = 10
 CONFIG_RETRY_SECONDS = 1.0
 #: Variables a pod inherits from the agent (so the project's Python and paths work inside it).
 # MEGATRON_TEST_SESSION: the test suite's mark on every process it starts (tests/leftover_processes.py).
-PASSTHROUGH_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "MEGATRON_OPERATOR_CACHE", "TMPDIR", "MEGATRON_TEST_SESSION")
+PASSTHROUGH_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "MEGATRON_OPERATOR_CACHE", "MEGATRON_TEST_SESSION")
 
 
 def signal_session(sid: int, sig: int) -> None:
@@ -318,6 +318,9 @@ class NodeAgent:
                 kept = self._waiting_ip.pop(uid, None)
             ip = kept or self._allocate_ip()
             env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+            # A temporary folder of the pod's own, as a container has its own /tmp: what its
+            # processes leave there (torch's inductor cache folder, say) stays beside its log.
+            env["TMPDIR"] = str(self.logdir / f"{ns}_{name}.tmp")
             env.update(self._container_env(pod, container, ip))
         except ContainerConfigError as err:
             with self._lock:
@@ -347,6 +350,7 @@ class NodeAgent:
             self._finished.add(uid)
             self._set_status(ns, name, {"phase": "Failed", "reason": "LocalNodeAgentError", "message": str(err)})
             return
+        (self.logdir / f"{ns}_{name}.tmp").mkdir(exist_ok=True)
         log = (self.logdir / f"{ns}_{name}.log").open("ab")
         proc = subprocess.Popen(
             argv,

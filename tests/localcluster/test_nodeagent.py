@@ -1,5 +1,5 @@
 """The node agent runs pods bound to its nodes as real local processes: environment with
-downward-API and Secret values, a loopback pod IP of its own, Running then Succeeded or Failed
+downward-API and Secret values, a loopback pod IP and a temporary folder of its own, Running then Succeeded or Failed
 with the exit code (137 for SIGKILL), and the process killed and the pod removed on delete; a pod
 whose Secret is missing waits Pending (CreateContainerConfigError) and runs once it appears; a
 production-shaped pod (a sidecar, an init container, volumes, a security context) runs the container
@@ -98,6 +98,9 @@ def test_pod_runs_as_a_process_with_its_environment(
     assert env["PLAIN"] == "v" and env["POD_NAME"] == "envpod" and env["TOKEN"] == "s3cret"
     assert env["POD_IP"] == pod["status"]["podIP"] and env["POD_IP"].startswith(node_agent.ip_prefix + ".")
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    # A temporary folder of its own beside its log, as a container has its own /tmp.
+    assert env["TMPDIR"] == str(node_agent.logdir / f"{namespace}_envpod.tmp")
+    assert Path(env["TMPDIR"]).is_dir()
 
 
 def test_killed_process_fails_the_pod_with_137(
