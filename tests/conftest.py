@@ -6,12 +6,14 @@ clone), installs the CRDs from ``crds/`` and registers four fake GPU nodes. ``ku
 controller manager against it, from the first test that asks for it to the end of the session.
 
 At session finish the run fails if a process it started is still running (``leftover_processes``,
-checked after these fixtures are torn down).
+checked after these fixtures are torn down). torch's inductor cache folder, which every process that
+imports megatron-core makes, is the project's cache folder's, not the temporary directory's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,12 @@ import pytest
 from leftover_processes import pytest_sessionfinish  # noqa: F401 - the session-end check, a hook
 from localcluster.cluster import LocalCluster
 from localcluster.kueue import KueueManager
+
+# `import megatron.core` makes torch's inductor cache folder, by default in the temporary directory:
+# every trainer process of the suite (this one too, at collection) would leave /tmp/torchinductor_<user>.
+# It goes to the project's cache folder instead, beside the venv, unless the caller chose one.
+_CACHE = Path(os.environ.get("MEGATRON_OPERATOR_CACHE", Path.home() / ".cache" / "megatron-operator"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "torchinductor"))
 
 
 @pytest.fixture(scope="session")
