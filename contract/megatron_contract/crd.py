@@ -50,6 +50,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     },
     {"name": "Epoch", "type": "integer", "jsonPath": ".status.epoch", "priority": 1, "description": "Plan epoch."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "priority": 1, "description": "Last step."},
+    {
+        "name": "Copies",
+        "type": "integer",
+        "jsonPath": ".status.buddyCopyStep",
+        "priority": 1,
+        "description": "Every pod holds buddy copies at least this new (distributed optimizer).",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

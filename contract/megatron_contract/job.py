@@ -887,6 +887,15 @@ class MegatronJobStatus(OpenWireModel):
         ge=0,
         description="Newest complete distributed checkpoint: the fallback when no peer holds a shard.",
     )
+    buddy_copy_step: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "With buddy copies of the distributed optimizer's shards: every member pod holds complete copies at"
+            " least this new (the oldest of the newest its agents reported this epoch), so losing any one pod now"
+            " goes back no further than this step; unset until the epoch's first refresh is complete on every pod."
+        ),
+    )
     start_time: datetime | None = None
     completion_time: datetime | None = None
     goodput: Goodput | None = Field(

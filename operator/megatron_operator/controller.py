@@ -864,6 +864,12 @@ class JobController:
             return 0.0
         return max(0.0, (_now() - datetime.fromisoformat(created.replace("Z", "+00:00"))).total_seconds())
 
+    def _buddy_copy_step(self, plan: MeshPlan | None, members: set[str]) -> int | None:
+        """How far back losing one member would go at worst, by the buddy copies (status.buddyCopyStep)."""
+        if plan is None or plan.optimizer_state is None or not plan.optimizer_state.buddies:
+            return None
+        return optimizer_sources.restore_point(self.book.replica_steps(self.job.uid, plan.epoch), members)
+
     def _checkpoint_step(self) -> int | None:
         """Newest complete checkpoint: from the agents, or from status after an operator restart."""
         steps = (self.book.checkpoint_step(self.job.uid), self.status.checkpoint_step)
@@ -937,6 +943,7 @@ class JobController:
             last_failure=last_failure,
             step=step,
             checkpoint_step=self._checkpoint_step(),
+            buddy_copy_step=self._buddy_copy_step(plan, members),
             generation=generation,
             suspended=suspended,
             host_memory=host_memory,

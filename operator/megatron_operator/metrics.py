@@ -46,6 +46,12 @@ EPOCH = Gauge("megatron_operator_plan_epoch", "Epoch of the plan in force.", JOB
 DP = Gauge("megatron_operator_mesh_dp", "Data-parallel size of the plan in force.", JOB_LABELS)
 SPARES_READY = Gauge("megatron_operator_spares_ready", "Hot spares running whose workers are warm.", JOB_LABELS)
 READY_WORKERS = Gauge("megatron_operator_ready_workers", "Members of the plan running.", JOB_LABELS)
+BUDDY_COPY_LAG = Gauge(
+    "megatron_operator_buddy_copy_lag_steps",
+    "Steps completed since the job's buddyCopyStep: about how many steps losing one pod now would redo, at"
+    " worst (jobs with buddy copies of the distributed optimizer's shards, while every member holds one).",
+    JOB_LABELS,
+)
 PHASE = Gauge("megatron_operator_job_phase", "1 for the job's current phase.", [*JOB_LABELS, "phase"])
 REPORTS = Counter("megatron_operator_agent_reports_total", "Agent reports received.", JOB_LABELS)
 ACCUSATIONS_IGNORED = Counter(
@@ -84,7 +90,8 @@ _JOB_ONLY = (
     GOODPUT,
     PRODUCTIVE_SECONDS,
 )
-_PER_JOB = (*_JOB_ONLY, FAILURES, PLANS, PHASE, LOST_SECONDS)
+# Not created at zero with the others: a job without buddy copies has no such series.
+_PER_JOB = (*_JOB_ONLY, BUDDY_COPY_LAG, FAILURES, PLANS, PHASE, LOST_SECONDS)
 
 
 def start_job(namespace: str, name: str) -> None:

@@ -159,6 +159,22 @@ def optimizer_sources(
     return reload
 
 
+def restore_point(copy_steps: Mapping[str, Collection[int]], pods: Collection[str]) -> int | None:
+    """The step a loss of one of ``pods`` (a plan's members) goes back to at worst, by their agents'
+    reports of the complete copies they hold (``copy_steps``): the oldest of their newest copies.
+    None when a pod has reported none (a new epoch's first refresh is not complete everywhere).
+
+    Reports come at different moments (a heartbeat a second; at interval 1 a copy a step), so they
+    rarely name one step in common. But every rank refreshes at the same steps and keeps two
+    generations, and a pod's copies only move forward: when one is lost, each survivor holds the
+    newest refresh complete everywhere (or the one after it), and so do the lost ranks' buddies;
+    that step is at least this one, and :func:`optimizer_sources` finds it (or a newer one)."""
+    newest = [max(copy_steps.get(pod, ()), default=None) for pod in pods]
+    if not newest or None in newest:
+        return None
+    return min(s for s in newest if s is not None)
+
+
 def _copy(old_rank: int, held: _Holding, buddy: bool, step: int) -> ShardCopy:
     return ShardCopy(previous_rank=old_rank, holder_rank=held.rank, holder_pod=held.pod, buddy=buddy, step=step)
 

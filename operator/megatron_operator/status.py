@@ -128,6 +128,7 @@ class Observation:
     last_failure: FailureRecord | None = None
     step: int | None = None
     checkpoint_step: int | None = None
+    buddy_copy_step: int | None = None  # optimizer_sources.restore_point of the members' reports
     generation: int | None = None
     suspended: tuple[bool, str, str] | None = None  # the Suspended condition to set; None: as it was
     host_memory: tuple[bool, str, str] | None = None  # the HostMemoryShort condition to set; None: as it was
@@ -252,6 +253,7 @@ def compute_status(old: MegatronJobStatus, obs: Observation, now: datetime) -> M
         last_failure=obs.last_failure,
         step=obs.step if obs.step is not None else old.step,
         checkpoint_step=max((s for s in (obs.checkpoint_step, old.checkpoint_step) if s is not None), default=None),
+        buddy_copy_step=obs.buddy_copy_step,
         start_time=old.start_time or (now if obs.plan is not None else None),
         completion_time=old.completion_time or (now if terminal else None),
     )
@@ -280,18 +282,20 @@ def status_changed(old: MegatronJobStatus, new: MegatronJobStatus) -> bool:
     return status_body(old) != status_body(new)
 
 
-# Progress (the committed step, goodput) changes with every heartbeat, and every status write stores
-# the whole object, the plan included (~650 kB at 4096 pods x 8 GPUs): written on its own, progress
-# is held to this many bytes per second per job. With any other change it rides along. A small job's
-# status (a few kB) is still written on every reconcile; the live step is in Prometheus.
+# Progress (the committed step, the buddy copies' step, goodput) changes with every heartbeat, and
+# every status write stores the whole object, the plan included (~650 kB at 4096 pods x 8 GPUs):
+# written on its own, progress is held to this many bytes per second per job. With any other change
+# it rides along. A small job's status (a few kB) is still written on every reconcile; the live step
+# is in Prometheus.
 PROGRESS_WRITE_BYTES_PER_SECOND = 64 * 1024
 
 
-_PROGRESS_KEYS = ("step", "goodput")
+_PROGRESS_KEYS = ("step", "buddyCopyStep", "goodput")
 
 
 def progress_only(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether status body ``new`` differs from ``old`` in the committed step and goodput alone."""
+    """Whether status body ``new`` differs from ``old`` in the committed step, the buddy copies' step
+    and goodput alone."""
     return all(old.get(k) == v for k, v in new.items() if k not in _PROGRESS_KEYS) and not (
         set(old) - set(new) - set(_PROGRESS_KEYS)
     )

@@ -105,3 +105,8 @@ class StatusWriter:
         metrics.READY_WORKERS.labels(**self._labels).set(status.ready_workers)
         for phase in JobPhase:
             metrics.PHASE.labels(**self._labels, phase=phase.value).set(1 if phase is status.phase else 0)
+        if status.buddy_copy_step is not None and status.step is not None:
+            # Copies can be ahead of the lagging step reports: no step is at risk then.
+            metrics.BUDDY_COPY_LAG.labels(**self._labels).set(max(0, status.step - status.buddy_copy_step))
+        else:  # no copies, or not yet complete on every member this epoch: the series goes stale
+            metrics.BUDDY_COPY_LAG.remove_by_labels(self._labels)

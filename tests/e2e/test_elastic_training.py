@@ -11,7 +11,8 @@ Third scenario, with Megatron's distributed optimizer (each rank holds only its 
 optimizer state; buddy copies on the other pod): a killed pod's shard is planned from the copy its
 buddy keeps, from the agents' reports of the copies they hold, and the spare takes it from there:
 no checkpoint exists, training completes with each step's samples once and at most the steps of
-one refresh redone."""
+one refresh redone; the job's status named the newest step every pod held copies of
+(``buddyCopyStep``), and the recovery went back no further."""
 
 from __future__ import annotations
 
@@ -133,9 +134,15 @@ def test_a_killed_pod_of_a_distributed_optimizer_job_is_restored_from_its_buddy_
     show = partial(dump, local_cluster, namespace, log)
 
     with running_operator(local_cluster, namespace, log):
-        status, recovered = _kill_a_member(local_cluster, process_nodes, namespace, job, show)
+        status, recovered = _kill_a_member(
+            local_cluster, process_nodes, namespace, job, show, also=lambda s: "buddyCopyStep" in s
+        )
         plan = status["plan"]
         assert plan["optimizerState"]["buddies"] is True, plan["optimizerState"]
+        # The status names the newest step every pod holds copies of, a refresh or two from the step
+        # (they can be ahead of the lagging step reports); the recovery goes back no further.
+        assert abs(status["step"] - status["buddyCopyStep"]) <= 3, status
+        assert recovered["plan"]["resumeStep"] >= status["buddyCopyStep"], (status["buddyCopyStep"], recovered["plan"])
         victim = plan["members"][0]["pod"]
         (victim_rank,) = plan["members"][0]["ranks"]
         state = recovered["plan"]["optimizerState"]
@@ -152,14 +159,20 @@ def test_a_killed_pod_of_a_distributed_optimizer_job_is_restored_from_its_buddy_
 
 
 def _kill_a_member(
-    cluster: LocalCluster, nodes: NodeAgent, namespace: str, job: dict[str, Any], show: Callable[[], str]
+    cluster: LocalCluster,
+    nodes: NodeAgent,
+    namespace: str,
+    job: dict[str, Any],
+    show: Callable[[], str],
+    also: Callable[[dict[str, Any]], bool] = lambda _: True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Submit ``job``, let it train 5 steps with its spare ready, and SIGKILL its first member's
-    pod: the job's status at the kill, and once the plan that follows is in it."""
+    """Submit ``job``, let it train 5 steps with its spare ready (and ``also`` true of its status),
+    and SIGKILL its first member's pod: the job's status at the kill, and once the plan that
+    follows is in it."""
     submit(cluster, namespace, job)
     wait_for_step(cluster, namespace, "e2e", 5, 300, show)
     status = wait_for(
-        lambda: (s := job_status(cluster, namespace, "e2e")).get("sparesReady", 0) >= 1 and s,
+        lambda: (s := job_status(cluster, namespace, "e2e")).get("sparesReady", 0) >= 1 and also(s) and s,
         120,
         "the spare to be ready",
         details=show,

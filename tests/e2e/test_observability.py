@@ -1,7 +1,8 @@
 """End to end, observed by a real Prometheus: Prometheus (built from its Go module) discovers the
 operator and every trainer agent through Kubernetes service discovery against the local API server,
 configured from the chart's own ServiceMonitor, PodMonitor and PrometheusRule. A job trains, a
-worker is SIGKILLed, the spare takes over; then every panel of the chart's Grafana dashboard is
+worker is SIGKILLed, the spare takes over (the job uses the distributed optimizer: the lost shards
+come from buddy copies on the other pod); then every panel of the chart's Grafana dashboard is
 evaluated with its own PromQL and must return data without error, the series must be keyed on the
 MegatronJob (not on the operator's scrape target), the alert rules must load, and the dashboard
 renders to a PNG."""
@@ -54,7 +55,13 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
     ):
         expose_operator(local_cluster, docs, {"metrics": metrics_port, "reports": report_port})
         start = time.time()
-        submit(local_cluster, namespace, make_elastic_job(NAME, pool="obs", train_iters=2000))
+        job = make_elastic_job(NAME, pool="obs", train_iters=2000)
+        # The optimizer real jobs use, so that the buddy copies' panels have data: its shards' copies
+        # on the other pod, spaced by a cost budget; the checkpoint is its required fallback (none is
+        # written in this run).
+        job["spec"]["training"]["optimizer"] = {"distributed": True, "replicaCostPercent": 5}
+        job["spec"]["checkpoint"] = {"path": str(tmp_path / "checkpoints"), "intervalSteps": 100_000}
+        submit(local_cluster, namespace, job)
         status = wait_for_step(local_cluster, namespace, NAME, 5, 300, show)
         victim = status["plan"]["members"][0]["pod"]
         process_nodes.kill_pod_process(namespace, victim, signal.SIGKILL)
@@ -82,6 +89,10 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_panel_has_data(
             "every worker's steps after the recovery in Prometheus",
             details=show,
         )
+        # The new epoch's workers calibrate the copies' cost and agree on an interval; the operator
+        # exports how far the copies every pod holds are behind.
+        for series in ("megatron_agent_buddy_copy_interval_steps", "megatron_operator_buddy_copy_lag_steps"):
+            wait_for(lambda series=series: prom.query(f'{series}{{megatronjob="{NAME}"}}'), 120, series, details=show)
         time.sleep(3)  # three more scrapes, so the range's last evaluation sees the newest samples
         end = time.time()
 

@@ -34,7 +34,7 @@ from operator_factories import JOB_UID, make_pod_refs, make_spec
 
 from megatron_contract.job import MegatronJobSpec
 from megatron_contract.mesh import MeshError, MeshPlan, OptimizerSourceKind, PlanReason, StateSourceKind
-from megatron_operator.optimizer_sources import in_memory_restore
+from megatron_operator.optimizer_sources import in_memory_restore, restore_point
 from megatron_operator.planner import Outcome, PodRef, UnitShape, plan_mesh
 
 CHECKPOINT = {"path": "/ckpt", "interval_steps": 10}
@@ -301,6 +301,11 @@ def test_every_restored_shard_has_a_live_source_or_everyone_reloads(
         active = [healthy[n] for n in members if n in healthy]
         pool = [p for n, p in healthy.items() if n not in members]
         checkpoint = max(0, completed - 7)
+        # The status's buddyCopyStep, from the survivors' reports (the lost pod's copies are gone).
+        point = restore_point(copies, [p.name for p in active])
+        # Copies of a synchronous refresh schedule: at most one refresh apart from pod to pod.
+        newest = {max(copies[p.name]) for p in active}
+        synchronous = bool(newest) and max(newest) - min(newest) <= 1
         decision = plan_mesh(
             spec,
             JOB_UID,
@@ -319,6 +324,13 @@ def test_every_restored_shard_has_a_live_source_or_everyone_reloads(
         assert new is not None
         check_buddies(new, in_memory)
         check_sources(plan, new, copies, completed, checkpoint, in_memory)
+        buddies = plan.optimizer_state is not None and plan.optimizer_state.buddies
+        if in_memory and in_memory_restore(spec) and buddies and len(lost) == 1 and synchronous and point is not None:
+            # One pod lost while every other member held copies of ``point``: no further back than it
+            # (for the jobs the operator asks copies of; the others reload the checkpoint).
+            event("one pod lost with a restore point")
+            assert new.optimizer_state is not None and new.optimizer_state.source is not OptimizerSourceKind.CHECKPOINT
+            assert new.resume_step >= point, (point, new.resume_step)
         if (
             in_memory
             and new.reason is PlanReason.REPLACE
@@ -382,6 +394,16 @@ def check_sources(
                 if old.sizes.coords_of(r).tp == coords.tp and old.sizes.coords_of(r).pp == coords.pp
             ]
             assert [o.previous_rank for o in origins] == group and len(group) == old.sizes.dp * old.sizes.cp
+
+
+def test_the_restore_point_is_the_oldest_of_the_pods_newest_copies() -> None:
+    assert restore_point({"p0": [21, 20], "p1": [20, 19]}, ["p0", "p1"]) == 20
+    assert restore_point({"p0": [21, 20], "p1": [20, 19], "p2": [9]}, ["p0", "p1"]) == 20  # p2: no member
+    # Reports of different moments (a refresh every step, a heartbeat every few): p0's is older.
+    assert restore_point({"p0": [40, 39], "p1": [57, 56]}, ["p0", "p1"]) == 40
+    assert restore_point({"p0": [21], "p1": []}, ["p0", "p1"]) is None  # p1 holds no complete copy yet
+    assert restore_point({"p0": [21]}, ["p0", "p1"]) is None  # p1 has not reported
+    assert restore_point({}, []) is None
 
 
 def test_in_memory_restore_covers_dense_models_without_context_parallelism() -> None:

@@ -4,7 +4,8 @@ Scenarios: Ready, Recovering, Failed and Succeeded are exclusive and flip togeth
 keeps its lastTransitionTime until its status flips; Degraded says why (shrunk mesh or below
 minReplicas); SparesExhausted follows the ready spares; mesh, epoch, ready counts and completion
 time are filled in; an unchanged observation writes nothing; a change of the step alone is
-progress, written no more often than the status's size allows.
+progress, written no more often than the status's size allows; so is the buddy copies' step, whose
+distance from the step the operator exports (a series only while every member holds a copy).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from operator_factories import JOB_UID, make_pod_refs, make_spec
+from prometheus_client import REGISTRY
 
 from megatron_contract.job import JobPhase, MegatronJobStatus
 from megatron_operator import kube, metrics, status_writer
@@ -159,3 +161,31 @@ def test_the_writer_holds_progress_alone_for_the_gap_after_its_last_write(monkey
     assert write(first, 3) is first and len(written) == 2  # the gap counts from the last write
     clock[0] += gap * 0.2
     assert write(first, 3).step == 3 and len(written) == 3
+
+
+def test_the_buddy_copies_step_is_progress_and_its_lag_is_exported(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def write_status(namespace: str, name: str, body: dict[str, object]) -> None:
+        pass
+
+    monkeypatch.setattr(kube, "write_status", write_status)
+    labels = metrics.job_labels("ns", "copies")
+    writer = StatusWriter(JobRef("copies", "ns", JOB_UID), HeartbeatBook(), labels, GoodputLedger.resume(0.0, None))
+
+    def lag() -> float | None:
+        return REGISTRY.get_sample_value("megatron_operator_buddy_copy_lag_steps", labels)
+
+    def write(old: MegatronJobStatus, step: int, copies: int | None) -> MegatronJobStatus:
+        obs = _obs(JobPhase.RUNNING, step=step, buddy_copy_step=copies)
+        return asyncio.run(writer.write(old, obs, [], T0, True))
+
+    try:
+        status = write(MegatronJobStatus(), 42, 40)
+        assert status.buddy_copy_step == 40 and status_body(status)["buddyCopyStep"] == 40 and lag() == 2
+        later = compute_status(status, _obs(JobPhase.RUNNING, step=43, buddy_copy_step=42), T0)
+        assert progress_only(status_body(status), status_body(later))  # it moves with every refresh
+        assert write(status, 43, 44).buddy_copy_step == 44 and lag() == 0  # copies ahead of the reports
+        # A new epoch: no complete copy on every member yet, the field and the series are gone.
+        status = write(status, 44, None)
+        assert "buddyCopyStep" not in status_body(status) and lag() is None
+    finally:
+        metrics.forget_job("ns", "copies")
