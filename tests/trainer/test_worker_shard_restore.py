@@ -167,6 +167,31 @@ def test_spare_takes_the_lost_pods_shards_from_their_buddy_copies(
     assert all(epoch == (1 if step < FAULT_STEP else 2) for step, epoch in history.items()), history
 
 
+def test_a_kill_before_the_victims_update_tears_its_peers_update_and_their_shards_come_from_copies(
+    tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
+) -> None:
+    # Killed after every collective of its step but before its update: its data-parallel peer
+    # (rank 3, pod b) passes its own commit check, writes its shard, and fails in the parameters'
+    # all-gather the victim never joins. Its GPU state is then of no step.
+    faulty = (
+        FaultPlan()
+        .fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.DELAY, seconds=1.0, point=InjectionPoint.DATA_READ)
+        .fail_at(rank=FAULT_RANK, step=FAULT_STEP, fault=Fault.SIGKILL, point=InjectionPoint.BEFORE_UPDATE)
+    )
+    cluster = make_cluster(shard_spec(tmp_path / "ckpt"), tmp_path, fault_env(tmp_path, faulty))
+    first, resume = kill_pod_a_with_a_spare(cluster)
+    plan = in_memory_plan(cluster, ["s", "b"], first, resume, PlanReason.REPLACE)
+    cluster.assign(plan, ["s", "b"])
+    cluster.wait_succeeded(["s", "b"])
+
+    [peer] = [w for w in cluster.workers(["b"]) if "its state is of no step" in w.log_path.read_text()]
+    assert peer.name.endswith(f"/{FAULT_RANK}"), peer.name  # the victim's DP peer: same TP rank on pod b
+    steps = {step for step, _source, _redone in restored(cluster, ["s", "b"], 2).values()}
+    assert len(steps) == 1 and steps <= {resume, resume - 1}, steps
+    assert cluster.losses(["a", "b", "s"]) == reference_losses
+    check_samples(cluster, victims={"a"})
+
+
 def test_a_kill_between_refreshes_goes_back_to_the_newest_complete_copies(
     tmp_path: Path, make_cluster: MakeCluster, reference_losses: dict[int, float]
 ) -> None:

@@ -196,6 +196,11 @@ class EpochJoin:
                 raise RuntimeError(
                     f"plan epoch {plan.epoch} says rank {worker.rank} keeps its state, but it holds none"
                 )
+            if worker.held.torn:  # only a restore of its shard from its snapshot mends it
+                raise StateMismatch(
+                    f"plan epoch {plan.epoch} says rank {worker.rank} keeps its state, but its optimizer update"
+                    f" of step {worker.held.step + 1} failed half done (the parameters' all-gather): it is of no step"
+                )
             adopt_state(self.ts, worker.held)
             self.adopted = True
         elif kind is StateSourceKind.INIT:

@@ -36,6 +36,10 @@ class TrainState:
     forward_step: Any  # the job's forward_step(data_iterator, model), see worker/providers.py
     step: int = 0  # steps completed by this state
     build_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per build stage
+    # The optimizer's update of step ``step`` began and did not end: the state is of no step. The
+    # distributed optimizer's update ends with a collective (the parameters' all-gather), which a
+    # dead peer fails after this rank's shard was written (worker/step.py:guard_commit).
+    torn: bool = False
 
 
 @dataclasses.dataclass
@@ -49,6 +53,7 @@ class HeldState:
     # reshard or a restore that moves shards (worker/shard_restore.py), and the rank it belonged to.
     shards: list[ShardPieces] | None = None
     rank: int | None = None
+    torn: bool = False  # TrainState.torn: its shard is past ``step`` and its parameters half gathered
 
 
 def param_dtype(spec: MegatronJobSpec, device: torch.device) -> torch.dtype:
@@ -360,7 +365,12 @@ def detach_state(ts: TrainState, rank: int | None = None) -> HeldState:
     trained as)."""
     shards = shard_pieces(ts.optimizer) if ts.spec.training.optimizer.distributed else None
     return HeldState(
-        tensors=list(state_tensors(ts)), step=ts.step, scheduler_steps=ts.scheduler.num_steps, shards=shards, rank=rank
+        tensors=list(state_tensors(ts)),
+        step=ts.step,
+        scheduler_steps=ts.scheduler.num_steps,
+        shards=shards,
+        rank=rank,
+        torn=ts.torn,
     )
 
 

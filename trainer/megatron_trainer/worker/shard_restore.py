@@ -91,8 +91,8 @@ class _Sources:
         """Steps at which this process can give ``previous``'s shard."""
         steps = []
         held, copies = self.held, self.copies
-        if held is not None and held.shards is not None and held.rank == previous:
-            steps.append(held.step)
+        if held is not None and held.shards is not None and held.rank == previous and not held.torn:
+            steps.append(held.step)  # a torn update left the GPU's shard at no step: only its copies
         if copies is not None and previous in (copies.rank, copies.ward):
             steps.extend(copies.complete_steps())
         return steps
@@ -100,7 +100,13 @@ class _Sources:
     def shards_of(self, previous: int, step: int, device: torch.device) -> list[torch.Tensor]:
         """``previous``'s flat shards at ``step``, on ``device``."""
         held, copies = self.held, self.copies
-        if held is not None and held.shards is not None and held.rank == previous and held.step == step:
+        if (
+            held is not None
+            and held.shards is not None
+            and held.rank == previous
+            and held.step == step
+            and not held.torn
+        ):
             return materialize(held.shards)
         assert copies is not None
         host = copies.own(step) if previous == copies.rank else copies.ward_copy(step)

@@ -4,6 +4,8 @@ global loss, and Megatron's optimizer step, committed only if nothing aborted th
 A step is all-or-nothing for a rank: every collective of the step (TP, DP gradient all-reduce,
 loss all-reduce, grad-norm all-reduce) runs before the optimizer's local update, and the update is
 guarded by :class:`StepAborted`, so an aborted step leaves parameters and optimizer state untouched.
+The distributed optimizer's update ends with the parameters' all-gather; a step that fails there
+leaves the rank's state *torn* (of no step), and its shard comes back from its host snapshot.
 
 On GPU the host waits for the step's collectives by polling an event (:func:`wait_for_stream`), not
 with a blocking synchronize: when the epoch is aborted the main thread gives the step up at once and
@@ -86,9 +88,12 @@ def guard_commit(
     removes the guard again.
 
     Megatron's ``step()`` runs its collectives (grad norm) and then ``step_with_ready_grads()``,
-    which only touches local memory; checking just before it makes the commit point explicit.
-    ``update_hook`` is called with the step in progress once its collectives are done, just before
-    the check (fault injection point).
+    the local update; checking just before it makes the commit point explicit. With the
+    distributed optimizer the update ends with one more collective, the parameters' all-gather: a
+    peer that dies before joining it fails it after this rank's shard was written. Such a state is
+    of no step (``ts.torn``, kept in its HeldState): a restore takes this rank's shard from its host
+    snapshot instead (worker/shard_restore.py). ``update_hook`` is called with the step in progress
+    once its collectives are done, just before the check (fault injection point).
     """
     inner = ts.optimizer.step_with_ready_grads
 
@@ -97,7 +102,10 @@ def guard_commit(
         update_hook(ts.step)
         if aborted():
             raise UpdateRefused("epoch aborted before the optimizer update")
-        return inner()
+        ts.torn = True
+        done = inner()
+        ts.torn = False
+        return done
 
     ts.optimizer.step_with_ready_grads = guarded
 

@@ -424,6 +424,13 @@ def _on_step_failure(worker: Worker, plan: MeshPlan, failure: str) -> None:
     if worker.detected_at is not None:
         worker.phases["step_exit"] = time.monotonic() - worker.detected_at
     log.warning("epoch %d step %d discarded: %s", plan.epoch, worker.completed, failure)
+    if worker.ts is not None and worker.ts.torn:
+        log.warning(
+            "epoch %d step %d: the optimizer update had written this rank's shard when the step failed: its"
+            " state is of no step, its shard comes back from a host copy",
+            plan.epoch,
+            worker.completed,
+        )
     copies = worker.copies
     if copies is not None and copies.salvage(SALVAGE_WAIT):  # before the report: the plan may use them
         worker.send(ReplicaSteps(epoch=plan.epoch, steps=copies.complete_steps()))
