@@ -3,10 +3,12 @@
 1. A real control plane on loopback, the CRD, and nodes whose pods run as local processes;
    Prometheus scraping the operator and every trainer pod as the chart's monitors say.
 2. The operator (``python -m megatron_operator``) and ``examples/megatronjob-local.yaml``: worker
-   pods and a hot spare running the trainer agent and Megatron-Core workers on CPU/gloo; beside
-   it, the same job without a failure (``-reference``), to compare losses with.
-3. A GPU "dies" (a worker pod's process is SIGKILLed): the spare takes its place, the survivors
-   rebuild their process groups in place, and training goes on to the last step.
+   pods and a hot spare running the trainer agent and Megatron-Core workers on CPU/gloo, with
+   Megatron's distributed optimizer and buddy copies of its shards; beside it, the same job
+   without a failure (``-reference``), to compare losses with.
+3. A GPU "dies" (a worker pod's process is SIGKILLed): the spare takes its place and the lost
+   shards from the copies kept on the other pod, the survivors rebuild their process groups in
+   place, and training goes on to the last step.
 4. The story: a timeline of the recovery with durations, the losses around the failure next to
    the failure-free run's, the job's goodput, and the dashboard rendered from Prometheus.
 5. A bad job is refused at the door, naming its fields.
@@ -79,7 +81,7 @@ def _watch(cluster: LocalCluster, name: str, until: Any, what: str, timeout: flo
         line = (
             f"  phase={s.get('phase', '-'):<10} mesh={s.get('mesh', '-'):<7} ready={s.get('ready', '-'):<5} "
             f"spares={s.get('sparesReady', 0)} epoch={s.get('epoch', 0)} step={s.get('step', 0)} "
-            f"recoveries={s.get('recoveries', 0)}"
+            f"recoveries={s.get('recoveries', 0)}" + (f" copies={s['buddyCopyStep']}" if "buddyCopyStep" in s else "")
         )
         if line != last:
             print(line, flush=True)
@@ -105,11 +107,23 @@ def _losses(directory: Path) -> dict[int, float]:
     return losses
 
 
+def _resumed_at(directory: Path, epoch: int) -> int | None:
+    """Steps completed when training resumed in ``epoch``, by the sample logs: the plan's resume step
+    is the operator's estimate from lagging reports, the survivors may hold a newer one."""
+    steps = [
+        record["step"]
+        for path in sorted(directory.glob("*.jsonl"))
+        for record in map(json.loads, path.read_text().splitlines())
+        if record["epoch"] == epoch
+    ]
+    return min(steps, default=None)
+
+
 def _seconds(stamp: str | None) -> float | None:
     return datetime.fromisoformat(stamp).timestamp() if stamp else None
 
 
-def _timeline(status: dict[str, Any], killed_at: float, prom: LocalPrometheus, job: str) -> None:
+def _timeline(status: dict[str, Any], killed_at: float, prom: LocalPrometheus, job: str, resumed: int) -> None:
     """Failure, detection, plan, each reconfiguration phase and the first step after, from the
     job's status (the operator's instants) and Prometheus (the agents' phase durations)."""
     failure = status.get("lastFailure") or {}
@@ -125,7 +139,9 @@ def _timeline(status: dict[str, Any], killed_at: float, prom: LocalPrometheus, j
         print(
             f"  {planned - killed_at:+.3f} s  plan epoch {plan['epoch']} ({plan['reason']}) stored and pushed: "
             f"members {[m['pod'] for m in plan['members']]}, resume at step {plan['resumeStep']}"
+            + (f" (the survivors held step {resumed}: training resumed there)" if resumed != plan["resumeStep"] else "")
         )
+        _optimizer_sources(plan, resumed)
     if declared is not None and took is not None:
         at = declared + took
         try:
@@ -144,6 +160,28 @@ def _timeline(status: dict[str, Any], killed_at: float, prom: LocalPrometheus, j
             f"\nTraining stopped for {at - killed_at:.2f} s; the operator's recovery time (failure declared to "
             f"every member training) was {took:.2f} s."
         )
+
+
+def _optimizer_sources(plan: dict[str, Any], resumed: int) -> None:
+    """Where the new plan takes the distributed optimizer's shards from (its ``optimizerState``),
+    at the step the workers agreed on (``resumed``: the newest every holder has)."""
+    state = plan.get("optimizerState")
+    if not state or state.get("source") == "init":
+        return
+    if state["source"] == "checkpoint":
+        print("           optimizer shards: every rank reloads the newest checkpoint (no copy survived)")
+        return
+    copies = state.get("copies", [])
+    buddies = [
+        f"rank {c['previousRank']}'s from the copy its buddy kept on {c['holderPod']}" for c in copies if c["buddy"]
+    ]
+    if state.get("paramsFromShards"):
+        print(
+            f"           optimizer shards: every rank from the host copies of step {resumed} (the refresh after it "
+            f"was in flight): {', '.join(buddies)}, the others from their own"
+        )
+    elif buddies:
+        print(f"           optimizer shards of step {resumed}: {', '.join(buddies)}, the others on their GPUs")
 
 
 def _compare_losses(recovered: dict[int, float], reference: dict[int, float], resume: int) -> None:
@@ -237,12 +275,13 @@ def main() -> int:
             _kubectl(cluster, "get", "megatronjobs", "-o", "wide")
 
             _step("The recovery, step by step")
-            _timeline(recovered_status, killed_at, prom, job_name)
+            plan = recovered_status["plan"]
+            resumed = _resumed_at(samples / job_name, plan["epoch"])
+            resumed = plan["resumeStep"] if resumed is None else resumed
+            _timeline(recovered_status, killed_at, prom, job_name, resumed)
 
             _step(f"Losses around the failure, next to {reference_name} (same seed, no failure)")
-            _compare_losses(
-                _losses(samples / job_name), _losses(samples / reference_name), recovered_status["plan"]["resumeStep"]
-            )
+            _compare_losses(_losses(samples / job_name), _losses(samples / reference_name), resumed)
 
             _step("Goodput: the share of wall time spent on training steps that were kept")
             _goodput(status)
