@@ -19,7 +19,8 @@ Scenarios (marked slow; each about a minute on 2 shared CPU cores):
 
 Buddy copies (two agents, one real worker each, the distributed optimizer, a plan with buddies):
 each pod's heartbeats report the steps of the copies its worker holds, newest first, at most two,
-the newest one or two steps behind the pod's last (every step is refreshed). With a cost budget
+the newest one or two steps behind the pod's last (every step is refreshed), and its metrics give
+the plan's interval. With a cost budget
 (``replicaCostPercent``) both pods' metrics give the one interval their workers agreed on, and the
 share of step time it costs by each worker's calibration, within the budget.
 """
@@ -209,9 +210,12 @@ def _two_pods_with_copies(
 
 
 def test_heartbeats_report_the_buddy_copies_the_workers_hold(operator: RecordingOperator, tmp_path: Path) -> None:
-    with _two_pods_with_copies(operator, tmp_path, iters=40):
+    with _two_pods_with_copies(operator, tmp_path, iters=40) as pods:
         for pod in ("pod-a", "pod-b"):
             operator.wait_report(pod, lambda r: bool(r.replica_steps) and (r.step or 0) >= 10, 180, "copies")
+        # No budget: the pods export the plan's interval (every step).
+        intervals = [_gauge(agent.metrics(), "megatron_agent_buddy_copy_interval_steps") for agent in pods]
+        assert intervals == [1.0, 1.0], intervals
     for pod in ("pod-a", "pod-b"):
         reports = [r for r in operator.reports_from(pod) if r.replica_steps]
         assert reports, pod

@@ -143,6 +143,11 @@ class Agent:
         if state is AgentState.FAILED:
             raise PlanRejected(503, "this pod has failed and is not restarting its workers")
         self.plan = plan
+        copies = plan.optimizer_state
+        if copies is None or not copies.buddies:
+            self.metrics.buddy_copy_interval.set(0)
+        elif copies.replica_cost_percent is None:  # under a budget the workers say what they agreed on
+            self.metrics.buddy_copy_interval.set(copies.replica_interval_steps)
         member = plan.member(self.settings.pod_name)
         log.info(
             "accepted plan epoch %d (%s, mesh %s, resume at step %d): %s",

@@ -77,12 +77,14 @@ class AgentMetrics:
         )
         self.buddy_copy_interval = Gauge(
             f"{PREFIX}_buddy_copy_interval_steps",
-            "Steps between refreshes of the buddy copies, as last agreed under the cost budget (replicaCostPercent).",
+            "Steps between refreshes of the buddy copies: the plan's replicaIntervalSteps, or as the ranks last agreed"
+            " under a cost budget (replicaCostPercent); 0 when the plan keeps no copies.",
             registry=r,
         )
         self.buddy_copy_cost = Gauge(
             f"{PREFIX}_buddy_copy_cost_ratio",
-            "Share of step time the buddy copies' refreshes cost at that interval, as calibrated.",
+            "Share of step time the buddy copies' refreshes cost at that interval, as calibrated (under a cost"
+            " budget; 0 until one is calibrated).",
             registry=r,
         )
         self.workers_alive = Gauge(f"{PREFIX}_workers_alive", "Worker processes running.", registry=r)
