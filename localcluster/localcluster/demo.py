@@ -177,8 +177,8 @@ def _optimizer_sources(plan: dict[str, Any], resumed: int) -> None:
     ]
     if state.get("paramsFromShards"):
         print(
-            f"           optimizer shards: every rank from the host copies of step {resumed} (the refresh after it "
-            f"was in flight): {', '.join(buddies)}, the others from their own"
+            f"           optimizer shards of step {resumed}, every rank from host copies (the plan saw no newer"
+            f" copy on every pod; the parameters are rebuilt from them): {', '.join(buddies)}, the others their own"
         )
     elif buddies:
         print(f"           optimizer shards of step {resumed}: {', '.join(buddies)}, the others on their GPUs")
