@@ -12,6 +12,7 @@ field, and so is sequenceParallel (which MoE with tp > 1 needs) without Transfor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ SMALL_LLAMA = {
 
 def model_size(*args: str) -> list[dict[str, object]]:
     env = {"PYTHONPATH": f"{REPO / 'contract'}:{REPO / 'trainer'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    # A bare environment, but torch's inductor cache where the suite keeps it (tests/conftest.py),
+    # not in /tmp: importing megatron-core makes that folder.
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     out = subprocess.run(
         [sys.executable, "-m", "megatron_trainer.model_size", *args],
         env=env,
