@@ -87,12 +87,18 @@ class _Sources:
         self.named += [c.previous_rank for c in state.copies if c.holder_rank == rank]
         self.holder_of = [copied[p].holder_rank if p in copied else h for p, h in enumerate(holders)]
 
+    def _on_gpu(self, previous: int) -> bool:
+        """Whether this process's GPU holds ``previous``'s shard at its held step (a torn update
+        left it at no step: then only its copies give it)."""
+        held = self.held
+        return held is not None and held.shards is not None and held.rank == previous and not held.torn
+
     def steps_of(self, previous: int) -> list[int]:
         """Steps at which this process can give ``previous``'s shard."""
         steps = []
         held, copies = self.held, self.copies
-        if held is not None and held.shards is not None and held.rank == previous and not held.torn:
-            steps.append(held.step)  # a torn update left the GPU's shard at no step: only its copies
+        if held is not None and self._on_gpu(previous):
+            steps.append(held.step)
         if copies is not None and previous in (copies.rank, copies.ward):
             steps.extend(copies.complete_steps())
         return steps
@@ -100,13 +106,7 @@ class _Sources:
     def shards_of(self, previous: int, step: int, device: torch.device) -> list[torch.Tensor]:
         """``previous``'s flat shards at ``step``, on ``device``."""
         held, copies = self.held, self.copies
-        if (
-            held is not None
-            and held.shards is not None
-            and held.rank == previous
-            and held.step == step
-            and not held.torn
-        ):
+        if held is not None and held.shards is not None and self._on_gpu(previous) and held.step == step:
             return materialize(held.shards)
         assert copies is not None
         host = copies.own(step) if previous == copies.rank else copies.ward_copy(step)
